@@ -1,0 +1,3 @@
+from pavejax.cli import main
+
+raise SystemExit(main())

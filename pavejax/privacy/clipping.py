@@ -1,0 +1,288 @@
+"""Per-example gradients, joint L2 clipping and the clipped sum.
+
+The core takes a per-example loss ``loss_fn(trainable, frozen, example) -> scalar`` and never
+imports a model. ``example`` is one row of ``batch`` (every leaf of ``batch`` has a leading batch
+axis that is vmapped away).
+
+Formal guarantees:
+  With ``clipping="joint"`` every real example contributes a vector of joint L2 norm at most
+  ``l2_clip`` (over the whole trainable pytree) to the clipped sum, so the sum has L2 sensitivity
+  ``l2_clip`` under add/remove-one and ``2 * l2_clip`` under replace-one neighbouring.
+  With ``clipping="per_layer"`` each of the L leaves is clipped to ``l2_clip`` on its own; the
+  joint norm can reach ``l2_clip * sqrt(L)`` and the sensitivity is reported as such.
+  Padded rows (``mask == False``) and rows whose gradient is not finite contribute exactly zero.
+
+Sharp edges:
+  * Microbatching changes memory, never the result (up to float summation order).
+  * ``sparse_rows`` (embedding tables) is exact only if the model uses the id field solely as
+    row indices into that table: the ids are remapped to positions in a per-example table of
+    the unique rows the example touches, so that no per-example copy of the table is built.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+PyTree = Any
+LossFn = Callable[[PyTree, PyTree, PyTree], jax.Array]
+
+_CLIPPINGS = ("joint", "per_layer")
+
+
+def _finite_float(name: str, value: float, *, positive: bool = True) -> float:
+    try:
+        v = float(value)
+    except (TypeError, ValueError):
+        raise TypeError(f"{name} must be a real number, got {value!r}.") from None
+    if not math.isfinite(v) or (positive and v <= 0):
+        raise ValueError(f"{name} must be a finite number > 0, got {value!r}; "
+                         f"pass e.g. {name}=1.0.")
+    return v
+
+
+@dataclasses.dataclass(frozen=True)
+class ClipConfig:
+    """How per-example gradients are bounded.
+
+    Attributes:
+      l2_clip: clip norm C (> 0, finite). Joint: bound on the whole per-example gradient;
+        per-layer: bound on each leaf.
+      clipping: ``"joint"`` (default; sensitivity C) or ``"per_layer"`` (sensitivity C*sqrt(L)).
+      microbatch_size: examples per vmapped chunk; ``None`` vmaps the whole batch at once. The
+        batch size must be a multiple of it.
+      sparse_rows: mapping from a trainable leaf path (``"a/b/embedding"``) to the example field
+        holding the int row ids that index it (``"input_ids"``); see the module docstring.
+    """
+
+    l2_clip: float
+    clipping: str = "joint"
+    microbatch_size: int | None = None
+    sparse_rows: Mapping[str, str] | tuple = ()
+
+    def __post_init__(self):
+        object.__setattr__(self, "l2_clip", _finite_float("l2_clip", self.l2_clip))
+        if self.clipping not in _CLIPPINGS:
+            raise ValueError(f"clipping must be one of {_CLIPPINGS}, got {self.clipping!r}.")
+        if self.microbatch_size is not None and (
+            not isinstance(self.microbatch_size, int) or self.microbatch_size < 1
+        ):
+            raise ValueError(f"microbatch_size must be a positive int or None, "
+                             f"got {self.microbatch_size!r}.")
+        # Stored as sorted pairs so that the config is hashable (a static jit argument).
+        object.__setattr__(self, "sparse_rows", tuple(sorted(dict(self.sparse_rows).items())))
+
+    def sensitivity(self, num_leaves: int, relation: str = "add_remove") -> float:
+        """L2 sensitivity of the clipped sum for a trainable pytree with ``num_leaves`` leaves."""
+        base = self.l2_clip * (math.sqrt(num_leaves) if self.clipping == "per_layer" else 1.0)
+        if relation in ("add_remove", "add_or_remove_one"):
+            return base
+        if relation in ("replace_one",):
+            return 2.0 * base
+        raise ValueError(f"relation must be 'add_remove' or 'replace_one', got {relation!r}.")
+
+
+class ClipResult(NamedTuple):
+    """Output of :func:`clipped_sum` (all arrays, jit-friendly).
+
+    grad_sum: pytree like ``trainable``, the sum of clipped per-example gradients of real rows.
+    losses: (B,) float32 per-example losses (0 on padded rows).
+    norms: (B,) float32 joint per-example gradient norms before clipping (0 on padded rows).
+    num_clipped: int32 count of real rows whose gradient was scaled down.
+    num_nonfinite: int32 count of real rows whose loss or gradient was NaN/Inf (they contribute 0).
+    """
+
+    grad_sum: PyTree
+    losses: jax.Array
+    norms: jax.Array
+    num_clipped: jax.Array
+    num_nonfinite: jax.Array
+
+
+def path_str(path) -> str:
+    """Readable path of a pytree leaf: keys joined by '/'."""
+    parts = []
+    for k in path:
+        for attr in ("key", "name", "idx"):
+            if hasattr(k, attr):
+                parts.append(str(getattr(k, attr)))
+                break
+        else:
+            parts.append(str(k))
+    return "/".join(parts)
+
+
+def leaf_paths(tree: PyTree) -> list[str]:
+    """Paths of the leaves of ``tree`` in flattening order."""
+    return [path_str(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+
+
+def per_example_norms(grads: PyTree) -> jax.Array:
+    """Joint L2 norm over all leaves of per-example gradients with leading axis B -> (B,)."""
+    leaves = jax.tree.leaves(grads)
+    sq = [jnp.sum(jnp.square(g.astype(jnp.float32)).reshape(g.shape[0], -1), axis=1)
+          for g in leaves]
+    return jnp.sqrt(sum(sq[1:], sq[0]))
+
+
+def clip_per_example(grads: PyTree, l2_clip: float, *, clipping: str = "joint"):
+    """Clips per-example gradients (leading axis B) -> (clipped, norms (B,), scales).
+
+    Joint clipping scales example i by min(1, C / ||g_i||) over the whole pytree; per-layer
+    clipping applies the same rule to each leaf separately. Non-finite examples get scale 0.
+    """
+    norms = per_example_norms(grads)
+    if clipping == "joint":
+        scale = _scale(norms, l2_clip)
+        clipped = jax.tree.map(lambda g: g * _bcast(scale, g).astype(g.dtype), grads)
+        return clipped, norms, scale
+    finite = jnp.isfinite(norms)
+
+    def _leaf(g):
+        n = per_example_norms(g)
+        return g * _bcast(jnp.where(finite, _scale(n, l2_clip), 0.0), g).astype(g.dtype)
+
+    clipped = jax.tree.map(_leaf, grads)
+    return clipped, norms, jnp.where(finite, _scale(norms, l2_clip), 0.0)
+
+
+def _scale(norms: jax.Array, l2_clip: float) -> jax.Array:
+    c = jnp.float32(l2_clip)
+    safe = jnp.where(jnp.isfinite(norms), norms, jnp.float32(1.0))
+    scale = jnp.minimum(jnp.float32(1.0), c / jnp.maximum(safe, jnp.float32(1e-30)))
+    return jnp.where(jnp.isfinite(norms), scale, jnp.float32(0.0))
+
+
+def _bcast(v: jax.Array, like: jax.Array) -> jax.Array:
+    return v.reshape(v.shape + (1,) * (like.ndim - 1))
+
+
+def _get(tree, path):
+    for k in path.split("/"):
+        tree = tree[k] if not isinstance(tree, (list, tuple)) else tree[int(k)]
+    return tree
+
+
+def _with_sparse(trainable, example, sparse_rows):
+    """Replaces each sparse table by the unique rows this example touches (not differentiated)."""
+    if not sparse_rows:
+        return trainable, example, {}
+    paths = leaf_paths(trainable)
+    leaves, treedef = jax.tree.flatten(trainable)
+    example = dict(example)
+    rows = {}
+    for p, field in sparse_rows:
+        ids = example[field]
+        uniq, inv = jnp.unique(ids.reshape(-1), size=ids.size, return_inverse=True)
+        idx = paths.index(p)
+        leaves[idx] = leaves[idx][uniq]
+        example[field] = inv.reshape(ids.shape).astype(ids.dtype)
+        rows[p] = uniq
+    return jax.tree.unflatten(treedef, leaves), example, rows
+
+
+def _check_sparse(trainable, batch, sparse_rows):
+    paths = leaf_paths(trainable)
+    for p, field in sparse_rows:
+        if p not in paths:
+            raise ValueError(f"sparse_rows names {p!r}, which is not a trainable leaf; "
+                             f"available: {paths[:8]}{' ...' if len(paths) > 8 else ''}.")
+        if not isinstance(batch, Mapping) or field not in batch:
+            raise ValueError(f"sparse_rows needs the example field {field!r} holding row ids; "
+                             "pass the batch as a dict with that key.")
+        if not jnp.issubdtype(batch[field].dtype, jnp.integer):
+            raise TypeError(f"sparse_rows field {field!r} must hold integer ids, "
+                            f"got {batch[field].dtype}.")
+
+
+def _chunk_clipped_sum(loss_fn, trainable, frozen, batch, mask, cfg: ClipConfig):
+    """Clipped sum over one (micro)batch; the per-example gradients live only in this chunk."""
+
+    def one(example):
+        small, ex, rows = _with_sparse(trainable, example, cfg.sparse_rows)
+        loss, g = jax.value_and_grad(loss_fn)(small, frozen, ex)
+        return loss.astype(jnp.float32), g, rows
+
+    losses, grads, rows = jax.vmap(one)(batch)
+    grads = jax.tree.map(lambda g: jnp.where(_bcast(mask, g), g, jnp.zeros((), g.dtype)), grads)
+    clipped, norms, scale = clip_per_example(grads, cfg.l2_clip, clipping=cfg.clipping)
+    finite = jnp.isfinite(norms) & jnp.isfinite(losses)
+    keep = mask & finite
+    clipped = jax.tree.map(
+        lambda g: jnp.where(_bcast(keep, g), g, jnp.zeros((), g.dtype)), clipped)
+    total = _sum_examples(trainable, clipped, rows)
+    stats = (
+        jnp.where(mask, jnp.where(finite, losses, 0.0), 0.0),
+        jnp.where(mask, norms, 0.0),
+        jnp.sum((keep & (scale < 1.0)).astype(jnp.int32)),
+        jnp.sum((mask & ~finite).astype(jnp.int32)),
+    )
+    return total, stats
+
+
+def _sum_examples(trainable, clipped, rows):
+    if not rows:
+        return jax.tree.map(lambda g: jnp.sum(g, axis=0), clipped)
+    paths = leaf_paths(trainable)
+    t_leaves, treedef = jax.tree.flatten(trainable)
+    c_leaves = jax.tree.leaves(clipped)
+    out = []
+    for p, t, g in zip(paths, t_leaves, c_leaves):
+        if p in rows:
+            flat = g.reshape((-1,) + t.shape[1:])
+            out.append(jnp.zeros_like(t).at[rows[p].reshape(-1)].add(flat.astype(t.dtype)))
+        else:
+            out.append(jnp.sum(g, axis=0))
+    return jax.tree.unflatten(treedef, out)
+
+
+def clipped_sum(loss_fn: LossFn, trainable: PyTree, frozen: PyTree, batch: PyTree,
+                mask: jax.Array | None, cfg: ClipConfig) -> ClipResult:
+    """Sum over real rows of per-example gradients, each clipped as ``cfg`` says.
+
+    Args:
+      loss_fn: per-example loss ``(trainable, frozen, example) -> scalar``.
+      trainable: pytree differentiated per example.
+      frozen: pytree passed through unchanged (not differentiated, not batched).
+      batch: pytree whose leaves have a leading axis B (padded to a static size).
+      mask: (B,) bool, True for real rows; ``None`` means all rows are real.
+      cfg: the :class:`ClipConfig`.
+
+    Returns:
+      :class:`ClipResult`. Jittable; with ``cfg.microbatch_size`` the batch is processed in
+      sequential chunks (``lax.scan``), so at most ``microbatch_size`` per-example gradients
+      exist at once.
+    """
+    bsz = jax.tree.leaves(batch)[0].shape[0]
+    if cfg.sparse_rows:
+        _check_sparse(trainable, batch, cfg.sparse_rows)
+    mask = jnp.ones((bsz,), bool) if mask is None else jnp.asarray(mask).astype(bool)
+    if mask.shape != (bsz,):
+        raise ValueError(f"mask must have shape ({bsz},) to match the batch, got {mask.shape}.")
+    mb = cfg.microbatch_size
+    if mb is None or mb >= bsz:
+        total, (losses, norms, nclip, nbad) = _chunk_clipped_sum(
+            loss_fn, trainable, frozen, batch, mask, cfg)
+        return ClipResult(total, losses, norms, nclip, nbad)
+    if bsz % mb:
+        raise ValueError(f"batch size {bsz} is not a multiple of microbatch_size {mb}; "
+                         "pad the batch (mask the padding) or pick a divisor.")
+    chunks = jax.tree.map(lambda x: x.reshape((bsz // mb, mb) + x.shape[1:]), (batch, mask))
+    zero = jax.tree.map(jnp.zeros_like, trainable)
+
+    def body(acc, chunk):
+        b, m = chunk
+        total, (losses, norms, nclip, nbad) = _chunk_clipped_sum(
+            loss_fn, trainable, frozen, b, m, cfg)
+        acc_sum, acc_clip, acc_bad = acc
+        acc_sum = jax.tree.map(jnp.add, acc_sum, total)
+        return (acc_sum, acc_clip + nclip, acc_bad + nbad), (losses, norms)
+
+    init = (zero, jnp.int32(0), jnp.int32(0))
+    (total, nclip, nbad), (losses, norms) = jax.lax.scan(body, init, chunks)
+    return ClipResult(total, losses.reshape(bsz), norms.reshape(bsz), nclip, nbad)

@@ -1,0 +1,122 @@
+"""Batch sampling with static shapes: Poisson (mask over a padded batch) and fixed-size.
+
+Poisson sampling includes each of the n examples independently with probability q. Under jit
+the batch must have a static size, so the sampled indices are written into a padded array of
+``max_batch`` rows with a boolean mask marking the real ones.
+
+Overflow policy (explicit): if more than ``max_batch`` examples are drawn, the step raises
+:class:`BatchOverflowError` instead of silently dropping examples (dropping would make the
+mechanism a truncated Poisson sample, which the Poisson accounting does not cover). The draw
+depends only on the key and the public n, never on data values, so the error reveals nothing
+about the data. The default ``max_batch`` makes an overflow less likely than ``1e-9`` per step
+(binomial tail), so a run of a million steps almost surely never sees one.
+
+Fixed-size sampling draws exactly b distinct indices uniformly (without replacement); it is
+accounted as sampling without replacement under replace-one neighbouring.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from scipy import stats
+
+_KINDS = ("poisson", "fixed", "full")
+
+
+class BatchOverflowError(RuntimeError):
+    """A Poisson draw selected more examples than the padded batch holds."""
+
+
+def max_batch_for(dataset_size: int, q: float, failure_prob: float = 1e-9) -> int:
+    """Smallest padded size m with P(Binomial(n, q) > m) <= failure_prob."""
+    if q >= 1.0:
+        return int(dataset_size)
+    m = int(stats.binom.isf(failure_prob, dataset_size, q)) + 1
+    return max(1, min(int(dataset_size), m))
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingConfig:
+    """Which examples a step sees.
+
+    Attributes:
+      kind: ``"poisson"`` (each example w.p. q = batch_size / dataset_size), ``"fixed"``
+        (exactly batch_size distinct examples) or ``"full"`` (every example, q = 1).
+      dataset_size: n, the number of examples (public).
+      batch_size: expected batch size (Poisson) or exact batch size (fixed). Ignored for full.
+      max_batch: padded physical batch for Poisson; default from :func:`max_batch_for`. Round it
+        up to a multiple of your microbatch size if you microbatch.
+    """
+
+    kind: str
+    dataset_size: int
+    batch_size: int | None = None
+    max_batch: int | None = None
+
+    def __post_init__(self):
+        if self.kind not in _KINDS:
+            raise ValueError(f"sampling kind must be one of {_KINDS}, got {self.kind!r}.")
+        if not isinstance(self.dataset_size, (int, np.integer)) or self.dataset_size < 1:
+            raise ValueError(f"dataset_size must be an int >= 1, got {self.dataset_size!r}; "
+                             "an empty data set cannot be trained on.")
+        if self.kind == "full":
+            object.__setattr__(self, "batch_size", int(self.dataset_size))
+        b = self.batch_size
+        if not isinstance(b, (int, np.integer)) or not 1 <= b <= self.dataset_size:
+            raise ValueError(f"batch_size must be an int in [1, dataset_size={self.dataset_size}]"
+                             f", got {b!r}.")
+        if self.kind == "poisson" and self.max_batch is None:
+            object.__setattr__(self, "max_batch", max_batch_for(self.dataset_size, self.q))
+        if self.kind != "poisson":
+            object.__setattr__(self, "max_batch", int(b))
+        if self.max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {self.max_batch}.")
+
+    @property
+    def q(self) -> float:
+        """Sampling probability (1 for full batch)."""
+        return 1.0 if self.kind == "full" else self.batch_size / self.dataset_size
+
+    @property
+    def expected_batch_size(self) -> float:
+        """The public normaliser of the noisy sum."""
+        return float(self.batch_size)
+
+    def sample(self, key: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """Draws one batch: (indices (max_batch,) int32, mask (max_batch,) bool).
+
+        Raises :class:`BatchOverflowError` on a Poisson overflow (see module docstring).
+        """
+        if self.kind == "full":
+            return jnp.arange(self.dataset_size, dtype=jnp.int32), jnp.ones(self.max_batch, bool)
+        if self.kind == "fixed":
+            idx = jax.random.choice(key, self.dataset_size, (self.batch_size,), replace=False)
+            return idx.astype(jnp.int32), jnp.ones(self.batch_size, bool)
+        idx, mask, count = poisson_indices(key, self.dataset_size, self.q, self.max_batch)
+        count = int(count)
+        if count > self.max_batch:
+            raise BatchOverflowError(
+                f"Poisson sampling drew {count} examples but max_batch is {self.max_batch}; "
+                "raise max_batch (see pavejax.privacy.max_batch_for) or lower the batch size. "
+                "Examples are never dropped silently because that would void the accounting.")
+        return idx, mask
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3))
+def poisson_indices(key: jax.Array, dataset_size: int, q: float, max_batch: int):
+    """Poisson draw as (indices, mask, count); indices beyond ``count`` are padding (index 0)."""
+    chosen = jax.random.uniform(key, (dataset_size,)) < jnp.float32(q)
+    count = jnp.sum(chosen.astype(jnp.int32))
+    (idx,) = jnp.nonzero(chosen, size=max_batch, fill_value=0)
+    mask = jnp.arange(max_batch) < count
+    return idx.astype(jnp.int32), mask, count
+
+
+def take_batch(data, indices: jax.Array):
+    """Gathers rows ``indices`` of every leaf of ``data`` (leading axis n)."""
+    return jax.tree.map(lambda x: jnp.take(x, indices, axis=0), data)
