@@ -77,7 +77,9 @@ def test_every_clipped_gradient_has_norm_at_most_bound(g1, g2, clip, clipping):
     # Examples already inside the bound are untouched.
     small = np.asarray(norms) <= clip
     if clipping == "joint" and small.any():
-        np.testing.assert_allclose(np.asarray(clipped["b"])[small], g2[small], rtol=1e-6)
+        # atol: XLA flushes float32 subnormals to zero.
+        np.testing.assert_allclose(np.asarray(clipped["b"])[small], g2[small], rtol=1e-6,
+                                   atol=1e-37)
 
 
 @pytest.mark.parametrize("clip", [0.05, 1.0, 100.0])

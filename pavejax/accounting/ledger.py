@@ -19,8 +19,9 @@ import dataclasses
 import enum
 import json
 import math
+from collections.abc import Callable
 from numbers import Integral, Real
-from typing import Any, Callable
+from typing import Any
 
 import dp_accounting as dpa
 from dp_accounting import dp_event
@@ -40,7 +41,7 @@ class BudgetExceededError(RuntimeError):
     """Raised by `Ledger.check_budget` when the spent ε exceeds the target."""
 
 
-class Relation(str, enum.Enum):
+class Relation(str, enum.Enum):  # noqa: UP042 - plain str comparisons must keep working
     """Neighbouring relation: ``"add_remove"`` (sensitivity C) or ``"replace_one"`` (2C)."""
 
     ADD_REMOVE = "add_remove"

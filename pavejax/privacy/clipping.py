@@ -29,6 +29,8 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from pavejax._tree import named_leaves
+
 PyTree = Any
 LossFn = Callable[[PyTree, PyTree, PyTree], jax.Array]
 
@@ -104,22 +106,9 @@ class ClipResult(NamedTuple):
     num_nonfinite: jax.Array
 
 
-def path_str(path) -> str:
-    """Readable path of a pytree leaf: keys joined by '/'."""
-    parts = []
-    for k in path:
-        for attr in ("key", "name", "idx"):
-            if hasattr(k, attr):
-                parts.append(str(getattr(k, attr)))
-                break
-        else:
-            parts.append(str(k))
-    return "/".join(parts)
-
-
 def leaf_paths(tree: PyTree) -> list[str]:
-    """Paths of the leaves of ``tree`` in flattening order."""
-    return [path_str(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+    """Paths of the leaves of ``tree`` in flattening order (``pavejax.lora.path_string``)."""
+    return list(named_leaves(tree))
 
 
 def per_example_norms(grads: PyTree) -> jax.Array:
