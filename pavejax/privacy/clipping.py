@@ -113,9 +113,10 @@ def leaf_paths(tree: PyTree) -> list[str]:
 
 def per_example_norms(grads: PyTree) -> jax.Array:
     """Joint L2 norm over all leaves of per-example gradients with leading axis B -> (B,)."""
-    leaves = jax.tree.leaves(grads)
-    sq = [jnp.sum(jnp.square(g.astype(jnp.float32)).reshape(g.shape[0], -1), axis=1)
-          for g in leaves]
+    sq = []
+    for g in jax.tree.leaves(grads):
+        flat = g.astype(jnp.float32).reshape(g.shape[0], -1)
+        sq.append(jnp.einsum("bi,bi->b", flat, flat))
     return jnp.sqrt(sum(sq[1:], sq[0]))
 
 
@@ -190,7 +191,12 @@ def _check_sparse(trainable, batch, sparse_rows):
 
 
 def _chunk_clipped_sum(loss_fn, trainable, frozen, batch, mask, cfg: ClipConfig):
-    """Clipped sum over one (micro)batch; the per-example gradients live only in this chunk."""
+    """Clipped sum over one (micro)batch; the per-example gradients live only in this chunk.
+
+    The sum is a contraction of per-example coefficients with the per-example gradients (one
+    read of them), not a scale-then-sum (several passes); rows that are padding or not finite
+    get coefficient 0, and a NaN anywhere switches to a path that zeroes such rows first.
+    """
 
     def one(example):
         small, ex, rows = _with_sparse(trainable, example, cfg.sparse_rows)
@@ -198,15 +204,28 @@ def _chunk_clipped_sum(loss_fn, trainable, frozen, batch, mask, cfg: ClipConfig)
         return loss.astype(jnp.float32), g, rows
 
     losses, grads, rows = jax.vmap(one)(batch)
-    grads = jax.tree.map(lambda g: jnp.where(_bcast(mask, g), g, jnp.zeros((), g.dtype)), grads)
-    clipped, norms, scale = clip_per_example(grads, cfg.l2_clip, clipping=cfg.clipping)
+    norms = per_example_norms(grads)
     finite = jnp.isfinite(norms) & jnp.isfinite(losses)
     keep = mask & finite
-    clipped = jax.tree.map(
-        lambda g: jnp.where(_bcast(keep, g), g, jnp.zeros((), g.dtype)), clipped)
-    total = _sum_examples(trainable, clipped, rows)
+    if cfg.clipping == "joint":
+        coefs = jax.tree.map(lambda _: jnp.where(keep, _scale(norms, cfg.l2_clip), 0.0), grads)
+        scale = jnp.where(keep, _scale(norms, cfg.l2_clip), 1.0)
+    else:
+        coefs = jax.tree.map(
+            lambda g: jnp.where(keep, _scale(per_example_norms(g), cfg.l2_clip), 0.0), grads)
+        scale = jnp.where(keep, _scale(norms, cfg.l2_clip), 1.0)
+
+    def fast(grads):
+        return _weighted_sum(trainable, grads, coefs, rows)
+
+    def safe(grads):
+        clean = jax.tree.map(
+            lambda g: jnp.where(_bcast(keep, g), g, jnp.zeros((), g.dtype)), grads)
+        return _weighted_sum(trainable, clean, coefs, rows)
+
+    total = jax.lax.cond(jnp.all(finite), fast, safe, grads)
     stats = (
-        jnp.where(mask, jnp.where(finite, losses, 0.0), 0.0),
+        jnp.where(keep, losses, 0.0),
         jnp.where(mask, norms, 0.0),
         jnp.sum((keep & (scale < 1.0)).astype(jnp.int32)),
         jnp.sum((mask & ~finite).astype(jnp.int32)),
@@ -214,19 +233,19 @@ def _chunk_clipped_sum(loss_fn, trainable, frozen, batch, mask, cfg: ClipConfig)
     return total, stats
 
 
-def _sum_examples(trainable, clipped, rows):
-    if not rows:
-        return jax.tree.map(lambda g: jnp.sum(g, axis=0), clipped)
+def _weighted_sum(trainable, grads, coefs, rows):
+    """sum_i coef_i * g_i per leaf; sparse tables are scattered into their rows."""
     paths = leaf_paths(trainable)
     t_leaves, treedef = jax.tree.flatten(trainable)
-    c_leaves = jax.tree.leaves(clipped)
+    g_leaves, c_leaves = jax.tree.leaves(grads), jax.tree.leaves(coefs)
     out = []
-    for p, t, g in zip(paths, t_leaves, c_leaves):
+    for p, t, g, c in zip(paths, t_leaves, g_leaves, c_leaves):
+        c = c.astype(g.dtype)
         if p in rows:
-            flat = g.reshape((-1,) + t.shape[1:])
+            flat = (g * _bcast(c, g)).reshape((-1,) + t.shape[1:])
             out.append(jnp.zeros_like(t).at[rows[p].reshape(-1)].add(flat.astype(t.dtype)))
         else:
-            out.append(jnp.sum(g, axis=0))
+            out.append(jnp.tensordot(c, g, axes=1).astype(t.dtype))
     return jax.tree.unflatten(treedef, out)
 
 
