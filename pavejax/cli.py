@@ -10,7 +10,9 @@ import argparse
 import sys
 from collections.abc import Callable, Sequence
 
-_Command = tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]
+_Command = tuple[
+    str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]
+]
 
 
 def _assets_args(p: argparse.ArgumentParser) -> None:

@@ -44,8 +44,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pavejax._tree import named_leaves as named_leaves
-from pavejax._tree import path_string as path_string
+from pavejax._tree import named_leaves as named_leaves, path_string as path_string
 
 PyTree = Any
 Factors = dict[str, jax.Array]

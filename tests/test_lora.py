@@ -9,8 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import scipy.stats
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 from pavejax.lora import (
     LoraConfig,

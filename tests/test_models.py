@@ -292,8 +292,7 @@ def test_corrupted_state_dict_lists_every_problem():
 
 def _write_tiny_checkpoint(directory, model, vocab_size=TINY.vocab_size):
     from safetensors.numpy import save_file
-    from tokenizers import Tokenizer as HFTokenizer
-    from tokenizers import models, pre_tokenizers, processors
+    from tokenizers import Tokenizer as HFTokenizer, models, pre_tokenizers, processors
 
     words = [f"w{i}" for i in range(vocab_size - 5)]
     vocab = {t: i for i, t in enumerate(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *words])}

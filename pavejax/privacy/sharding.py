@@ -17,8 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 import jax
-from jax.sharding import AxisType, NamedSharding
-from jax.sharding import PartitionSpec as P
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from pavejax.privacy.clipping import ClipConfig, ClipResult, LossFn, clipped_sum
 
