@@ -236,3 +236,16 @@ def test_bad_configs_rejected():
         cfg = pv.DPConfig(1.0, 1.0, pv.SamplingConfig("full", dataset_size=4))
         pv.DPGradient(_loss, cfg)(_mlp_params(jax.random.key(0)), FROZEN,
                                   _data(jax.random.key(0), 5), jax.random.key(0))
+
+
+def test_dp_gradient_pads_poisson_batch_to_microbatch_multiple(key):
+    params = _mlp_params(key)
+    data = _data(jax.random.key(6), 30)
+    sampling = pv.SamplingConfig("poisson", dataset_size=30, batch_size=10, max_batch=23)
+    cfg = pv.DPConfig(l2_clip=0.5, noise_multiplier=0.0, sampling=sampling, microbatch_size=4)
+    grad, info, _ = pv.DPGradient(_loss, cfg)(params, FROZEN, data, key)
+    assert info.mask.shape == (24,) and not bool(info.mask[23])
+    idx, mask = sampling.sample(jax.random.split(key)[0])
+    real = jax.tree.map(lambda x: x[np.asarray(idx)[np.asarray(mask)]], data)
+    ref = _slow_clipped_sum(params, real, 0.5)
+    _assert_tree_close(grad, jax.tree.map(lambda a: a / 10.0, ref), rtol=2e-5, atol=1e-7)

@@ -130,11 +130,13 @@ class DPGradient:
         k_sample, k_noise = jax.random.split(key)
         idx, mask = self.config.sampling.sample(k_sample)
         batch = take_batch(data, idx)
-        if self.mesh is not None:
-            pad = (-mask.shape[0]) % self.mesh.size
-            if pad:
-                batch = jax.tree.map(lambda x: jnp.concatenate([x, x[:pad]]), batch)
-                mask = jnp.concatenate([mask, jnp.zeros((pad,), bool)])
+        # Pad (masked out) to a multiple of the device count and of the microbatch size.
+        multiple = math.lcm(self.mesh.size if self.mesh is not None else 1,
+                            self.config.microbatch_size or 1)
+        pad = (-mask.shape[0]) % multiple
+        if pad:
+            batch = jax.tree.map(lambda x: jnp.concatenate([x, x[:pad]]), batch)
+            mask = jnp.concatenate([mask, jnp.zeros((pad,), bool)])
         grad, info = self._core(trainable, frozen, batch, mask, k_noise)
         bad = int(info.num_nonfinite)
         if bad:
