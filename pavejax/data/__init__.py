@@ -52,3 +52,37 @@ __all__ = [
     "task_fingerprint",
     "task_info",
 ]
+
+from pavejax.data.market import (  # noqa: E402
+    QUALITIES,
+    DeveloperModel,
+    Market,
+    MarketConfig,
+    RankingMetrics,
+    UserTask,
+    build_market,
+    class_identity_accuracy,
+    developer_classifier,
+    embed_texts,
+    evaluate_market,
+    example_hashes,
+    oracle_best,
+    ranking_metrics,
+)
+
+__all__ += [
+    "QUALITIES",
+    "DeveloperModel",
+    "Market",
+    "MarketConfig",
+    "RankingMetrics",
+    "UserTask",
+    "build_market",
+    "class_identity_accuracy",
+    "developer_classifier",
+    "embed_texts",
+    "evaluate_market",
+    "example_hashes",
+    "oracle_best",
+    "ranking_metrics",
+]

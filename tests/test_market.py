@@ -1,0 +1,253 @@
+"""Learnware market: determinism, a computed oracle, disjoint data, ranking metrics, bad configs."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+from flax import nnx
+
+from pavejax.data import market as mk
+from pavejax.data.market import (
+    MarketConfig,
+    build_market,
+    class_identity_accuracy,
+    developer_classifier,
+    embed_texts,
+    evaluate_market,
+    example_hashes,
+    oracle_best,
+    ranking_metrics,
+)
+
+SMALL = MarketConfig(track="vision", n_developers=8, n_users=4, shots_per_class=3, seed=0,
+                     train_per_class=48, test_per_class=24, train_steps=120, backbone_steps=200)
+
+
+@pytest.fixture(scope="module")
+def market():
+    # cache=False: tests must not write the user's cache directory.
+    return build_market(SMALL, progress=False, cache=False)
+
+
+@pytest.fixture(scope="module")
+def accuracy(market):
+    return evaluate_market(market)
+
+
+def hashes(split):
+    return set(example_hashes(split.inputs))
+
+
+@pytest.mark.assets
+def test_same_config_same_market(market, accuracy):
+    again = build_market(SMALL, progress=False, cache=False)
+    np.testing.assert_array_equal(evaluate_market(again), accuracy)
+    assert [d.name for d in again.developers] == [d.name for d in market.developers]
+    for a, b in zip(again.users, market.users):
+        assert a.classes == b.classes
+        np.testing.assert_array_equal(a.few_shot.inputs, b.few_shot.inputs)
+        np.testing.assert_array_equal(a.few_shot.labels, b.few_shot.labels)
+        np.testing.assert_array_equal(a.test.inputs, b.test.inputs)
+    for a, b in zip(again.developers, market.developers):
+        np.testing.assert_array_equal(a.head.kernel[...], b.head.kernel[...])
+        np.testing.assert_array_equal(a.head.bias[...], b.head.bias[...])
+
+
+@pytest.mark.assets
+def test_market_composition(market):
+    qualities = [d.quality for d in market.developers]
+    assert (qualities.count("good"), qualities.count("undertrained"),
+            qualities.count("corrupted")) == (4, 2, 2)
+    assert len(market.users) == 4
+    assert {d.domain for d in market.developers} == {"digits", "mnist5k"}
+    for d in market.developers:
+        assert set(d.classes) <= {"5", "6", "7", "8", "9"} and len(d.classes) in (2, 3)
+        assert d.head.kernel[...].shape == (SMALL.hidden, len(d.classes))
+        assert len(d.train) == SMALL.train_per_class * len(d.classes)
+    for u in market.users:
+        # every user has a good developer of its own domain and classes in the market
+        assert any(d.quality == "good" and d.domain == u.domain and d.classes == u.classes
+                   for d in market.developers)
+        k = len(u.classes)
+        assert u.few_shot.counts(k) == (SMALL.shots_per_class,) * k
+        assert min(u.test.counts(k)) >= 1 and max(u.test.counts(k)) <= SMALL.test_per_class
+
+
+@pytest.mark.assets
+def test_corrupted_labels_are_moved_to_the_next_class(market):
+    # Developers of one pool share training inputs; a corrupted one trained on the same inputs
+    # as a good one of its classes with the given fraction of labels shifted by one class.
+    for bad in (d for d in market.developers if d.quality == "corrupted"):
+        good = next(d for d in market.developers if d.quality == "good"
+                    and (d.domain, d.classes) == (bad.domain, bad.classes))
+        np.testing.assert_array_equal(good.train.inputs, bad.train.inputs)
+        k, changed = len(bad.classes), good.train.labels != bad.train.labels
+        assert changed.sum() == int(np.floor(SMALL.corrupt_label_fraction * len(bad.train) + 0.5))
+        np.testing.assert_array_equal(bad.train.labels[changed],
+                                      (good.train.labels[changed] + 1) % k)
+
+
+@pytest.mark.assets
+def test_oracle_is_measured(market, accuracy):
+    devs, users = market.developers, market.users
+    assert accuracy.shape == (len(users), len(devs))
+    compared = 0
+    for u, user in enumerate(users):
+        same = [i for i, d in enumerate(devs) if (d.domain, d.classes) == (user.domain,
+                                                                            user.classes)]
+        good = [i for i in same if devs[i].quality == "good"]
+        for i in same:
+            if devs[i].quality == "corrupted":
+                assert accuracy[u, i] < accuracy[u, good].max() - 0.2
+                compared += 1
+        best = devs[oracle_best(accuracy)[u]]
+        assert set(user.classes) <= set(best.classes)
+        # a developer sharing no class with the user can never be right
+        for i, d in enumerate(devs):
+            if not set(d.classes) & set(user.classes):
+                assert accuracy[u, i] == 0.0
+    assert compared >= 1
+
+
+@pytest.mark.assets
+def test_accuracy_entries_recomputed_by_hand(market, accuracy):
+    user = market.users[0]
+    for d, dev in enumerate(market.developers):
+        logits = dev.logits(user.test.inputs)
+        correct = 0
+        for row, label in zip(logits, user.test.labels):
+            options = [(row[i], -i, c) for i, c in enumerate(dev.classes) if c in user.classes]
+            if options:
+                correct += max(options)[2] == user.classes[label]
+        assert accuracy[0, d] == pytest.approx(correct / len(user.test), abs=1e-12)
+    # The head on the shared backbone is one ordinary NNX classifier on pixels.
+    dev = market.developers[0]
+    model = developer_classifier(market, dev)
+    np.testing.assert_allclose(nnx.jit(lambda m, x: m(x))(model, user.test.inputs),
+                               dev.logits(user.test.inputs), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.assets
+def test_user_test_sets_are_disjoint_from_everything_trained_on(market):
+    trained = set().union(*(hashes(d.train) for d in market.developers))
+    for user in market.users:
+        test = hashes(user.test)
+        assert len(test) == len(user.test)  # no duplicate inside a test set
+        assert not test & hashes(user.few_shot)
+        assert not test & trained
+        assert not hashes(user.few_shot) & trained
+
+
+def test_class_identity_accuracy_by_hand():
+    logits = np.array([[3.0, 2.0, 9.0], [1.0, 2.0, 9.0], [0.0, 0.0, 0.0]], np.float32)
+    # "7" is not a user class, so it is never predicted; a tie goes to the first model class.
+    assert class_identity_accuracy(logits, ("5", "6", "7"), np.array([1, 0, 0]),
+                                   ("6", "5")) == pytest.approx(2 / 3)
+    # Sharing only "5": always predicts "5", right exactly on the "5"s.
+    assert class_identity_accuracy(logits[:, :2], ("5", "8"), np.array([0, 1, 0]),
+                                   ("5", "6")) == pytest.approx(2 / 3)
+    assert class_identity_accuracy(logits[:, :2], ("8", "9"), np.array([0, 1, 0]),
+                                   ("5", "6")) == 0.0
+    with pytest.raises(ValueError, match="logits must have shape"):
+        class_identity_accuracy(logits, ("5", "6"), np.array([0, 1, 0]), ("5", "6"))
+
+
+def test_ranking_metrics_by_hand():
+    acc = np.array([[0.9, 0.5, 0.9], [0.2, 0.8, 0.6], [0.7, 0.7, 0.1]])
+    scores = np.array([[0.1, 0.9, 0.5], [0.3, 0.9, 0.1], [0.5, 0.5, 0.9]])
+    m = ranking_metrics(scores, acc)
+    # user 0: picks dev 1 (0.5; oracle 0.9), best-scored oracle dev 2 is 2nd
+    # user 1: picks the oracle; user 2: picks dev 2 (0.1; oracle 0.7), oracle devs tie 2nd
+    np.testing.assert_array_equal(m.hits, [False, True, False])
+    np.testing.assert_allclose(m.regrets, [0.4, 0.0, 0.6], atol=1e-12)
+    np.testing.assert_allclose(m.reciprocal_ranks, [0.5, 1.0, 0.5])
+    assert m.top1_hit_rate == pytest.approx(1 / 3)
+    assert m.regret == pytest.approx(1 / 3)
+    assert m.mrr == pytest.approx(2 / 3)
+
+
+def test_ranking_metrics_ties():
+    # Ties in scores count against the method: constant scores choose the worst model.
+    m = ranking_metrics(np.array([[1.0, 1.0, 1.0]]), np.array([[0.5, 0.8, 0.8]]))
+    assert (m.top1_hit_rate, m.regret, m.mrr) == (0.0, pytest.approx(0.3), 0.5)
+    # Ties in accuracy: any oracle-best model is a hit.
+    m = ranking_metrics(np.array([[0.2, 0.9, 0.5]]), np.array([[0.8, 0.8, 0.1]]))
+    assert (m.top1_hit_rate, m.regret, m.mrr) == (1.0, 0.0, 1.0)
+    # atol widens the oracle set.
+    assert ranking_metrics(np.array([[0.0, 1.0]]), np.array([[0.80, 0.79]]),
+                           atol=0.02).top1_hit_rate == 1.0
+    assert ranking_metrics(np.array([[0.0, 1.0]]), np.array([[0.80, 0.79]])).mrr == 0.5
+    np.testing.assert_array_equal(oracle_best(np.array([[0.1, 0.7, 0.7], [0.9, 0.0, 0.3]])),
+                                  [1, 0])
+
+
+def test_mnist_is_brought_to_the_digits_grid():
+    img = np.zeros((2, 28, 28), np.float32)
+    img[0, 2:6, 6:10] = 1.0  # padded by 2: rows 4-7, cols 8-11 = block (1, 2)
+    img[1, 0, 0] = 1.0  # padded (2, 2): 1 of the 16 pixels of block (0, 0)
+    out = mk._on_digit_grid(img.reshape(2, 784))
+    expected = np.zeros((2, 8, 8), np.float32)
+    expected[0, 1, 2], expected[1, 0, 0] = 1.0, 1 / 16
+    np.testing.assert_allclose(out, expected.reshape(2, 64), atol=1e-7)
+
+
+def test_ranking_metrics_rejects_bad_input():
+    with pytest.raises(ValueError, match="of one shape"):
+        ranking_metrics(np.zeros((2, 3)), np.zeros((3, 2)))
+    with pytest.raises(ValueError, match="finite"):
+        ranking_metrics(np.array([[np.nan, 1.0]]), np.zeros((1, 2)))
+    with pytest.raises(ValueError, match="atol must be >= 0"):
+        ranking_metrics(np.zeros((1, 2)), np.zeros((1, 2)), atol=-0.1)
+
+
+@pytest.mark.parametrize("changes, match", [
+    ({"good_fraction": 0.5, "undertrained_fraction": 0.3, "corrupted_fraction": 0.3},
+     "sum to 1"),
+    ({"good_fraction": 1.2, "undertrained_fraction": -0.2, "corrupted_fraction": 0.0},
+     r"lie in \[0, 1\]"),
+    ({"n_users": 0}, "n_users must be an int >= 1"),
+    ({"n_developers": 2.0}, "n_developers must be an int >= 1"),
+    ({"track": "audio"}, "track must be 'vision' or 'text'"),
+    ({"domains": ("movie",)}, "domains of the vision track"),
+    ({"undertrained_steps": 200, "train_steps": 200}, "must be below train_steps"),
+    ({"subset_sizes": (1, 2)}, "subset_sizes must be ints >= 2"),
+    ({"corrupt_label_fraction": 0.0}, "corrupt_label_fraction must be in"),
+])
+def test_bad_configs_are_rejected(changes, match):
+    with pytest.raises(ValueError, match=match):
+        dataclasses.replace(MarketConfig(), **changes)
+
+
+@pytest.mark.assets
+def test_too_many_shots_or_training_examples_are_rejected():
+    with pytest.raises(ValueError, match="shots_per_class=50 is too many for the data"):
+        build_market(dataclasses.replace(SMALL, domains=("digits",), shots_per_class=50),
+                     progress=False, cache=False)
+    with pytest.raises(ValueError, match="lower train_per_class"):
+        build_market(dataclasses.replace(SMALL, domains=("digits",), train_per_class=1000),
+                     progress=False, cache=False)
+    with pytest.raises(TypeError, match="MarketConfig"):
+        build_market({"track": "vision"})
+
+
+@pytest.mark.assets
+def test_text_embedding_cache(monkeypatch):
+    from pavejax.models import TextClassifier
+
+    texts = ["A great, moving film.", "Terrible service, never again.",
+             "Shares fell sharply on Monday.", "A great, moving film.", "The match ended 2-1."]
+    before = len(mk._EMBEDDINGS)
+    emb = embed_texts(texts, max_length=16, batch_size=4)
+    assert emb.shape == (5, 384) and emb.dtype == np.float32
+    assert len(mk._EMBEDDINGS) - before <= 4  # the repeated sentence is encoded once
+    np.testing.assert_array_equal(emb[0], emb[3])
+    # Independent path: the encoder inside a TextClassifier with mean pooling.
+    graphdef, state, tokenizer, _ = mk._minilm(16)
+    model = TextClassifier(nnx.merge(graphdef, state), 2, rngs=nnx.Rngs(0), pooling="mean")
+    tokens = tokenizer(texts)
+    ref = nnx.jit(lambda m, ids, mask: m.features(ids, mask))(model, tokens.input_ids,
+                                                                tokens.attention_mask)
+    np.testing.assert_allclose(emb, ref, rtol=1e-4, atol=1e-5)
+    # A second call is served from the cache: the encoder is not touched.
+    monkeypatch.setattr(mk, "_minilm", lambda *a: pytest.fail("encoder called on a cache hit"))
+    np.testing.assert_array_equal(embed_texts(texts[::-1], max_length=16), emb[::-1])
