@@ -31,7 +31,7 @@ from dp_accounting import dp_event
 from pavejax.accounting._json import event_from_dict, event_to_dict
 
 __all__ = [
-    "BudgetExceededError", "Ledger", "LedgerEntry", "Relation", "calibrate_noise",
+    "BudgetExceededError", "Ledger", "LedgerEntry", "MIEntry", "Relation", "calibrate_noise",
     "calibrate_steps", "dp_sgd_event", "gaussian_step_event",
 ]
 
@@ -209,6 +209,15 @@ class LedgerEntry:
     label: str = ""
 
 
+@dataclasses.dataclass(frozen=True)
+class MIEntry:
+    """One PAC-Privacy charge: ``nats`` of mutual information, ``count`` times, for ``label``."""
+
+    nats: float
+    count: int = 1
+    label: str = ""
+
+
 class Ledger:
     """Append-only record of privacy events, composed on demand by RDP or PLD.
 
@@ -221,6 +230,10 @@ class Ledger:
     Guarantee: ``epsilon(delta)`` is an upper bound on the (ε, δ)-DP of the adaptive composition
     of all recorded events under ``relation``, as computed by dp-accounting with the
     translation rules in the module docstring. An empty ledger has ε = 0.
+
+    The ledger also holds PAC-Privacy charges in nats (`record_mi`, `mutual_information`), kept
+    apart from the DP events: the two guarantees are of different kinds and are never combined.
+    ``len(ledger)`` and ``entries`` count the DP events only; ``mi_entries`` lists the charges.
 
     Example:
         >>> ledger = Ledger("add_remove", "rdp")
@@ -235,6 +248,7 @@ class Ledger:
         self.accountant = _check_accountant(accountant)
         self.pld_discretization = _check_epsilon("pld_discretization", pld_discretization)
         self._entries: list[LedgerEntry] = []
+        self._mi_entries: list[MIEntry] = []
 
     def __repr__(self) -> str:
         return (f"Ledger(relation={self.relation.value!r}, accountant={self.accountant!r}, "
@@ -246,13 +260,39 @@ class Ledger:
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Ledger):
             return NotImplemented
-        return (self.relation, self.accountant, self.pld_discretization, self._entries) == (
-            other.relation, other.accountant, other.pld_discretization, other._entries)
+        return (self.relation, self.accountant, self.pld_discretization, self._entries,
+                self._mi_entries) == (other.relation, other.accountant, other.pld_discretization,
+                                      other._entries, other._mi_entries)
 
     @property
     def entries(self) -> tuple[LedgerEntry, ...]:
         """The recorded entries, oldest first."""
         return tuple(self._entries)
+
+    @property
+    def mi_entries(self) -> tuple[MIEntry, ...]:
+        """The recorded mutual-information charges, oldest first."""
+        return tuple(self._mi_entries)
+
+    def record_mi(self, nats: float, count: int = 1, *, label: str = "") -> MIEntry:
+        """Appends a PAC-Privacy charge of ``nats`` (>= 0, finite) repeated ``count`` times.
+
+        Charges compose by the chain rule of mutual information: `mutual_information` is their
+        sum. Raises ValueError for a negative or non-finite charge or a bad count.
+        """
+        if not isinstance(label, str):
+            raise TypeError(f"label must be a string, got {type(label).__name__}")
+        nats = _check_real("nats", nats)
+        if nats < 0.0:
+            raise ValueError(f"a mutual-information charge must be >= 0 nats, got {nats!r}")
+        entry = MIEntry(nats=nats, count=_check_count("count", count), label=label)
+        self._mi_entries.append(entry)
+        return entry
+
+    def mutual_information(self, label: str | None = None) -> float:
+        """Total mutual information charged (nats), optionally only for one ``label``."""
+        return math.fsum(e.nats * e.count for e in self._mi_entries
+                         if label is None or e.label == label)
 
     def _translated(self, event: dp_event.DpEvent, accountant: str) -> dp_event.DpEvent:
         return _for_accountant(event, self.relation, accountant)
@@ -348,16 +388,24 @@ class Ledger:
                              "separately or re-record the events under one relation")
         merged = Ledger(self.relation, self.accountant, pld_discretization=self.pld_discretization)
         merged._entries = [*self._entries, *other._entries]
+        merged._mi_entries = [*self._mi_entries, *other._mi_entries]
         return merged
 
     merge = compose
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-compatible dict (format ``pavejax.ledger`` v1) for embedding in metadata."""
-        return {"format": _FORMAT, "version": _VERSION, "relation": self.relation.value,
-                "accountant": self.accountant, "pld_discretization": self.pld_discretization,
-                "entries": [{"label": e.label, "count": e.count, "event": event_to_dict(e.event)}
-                            for e in self._entries]}
+        """JSON-compatible dict (format ``pavejax.ledger`` v1) for embedding in metadata.
+
+        Mutual-information charges appear under ``"mi_entries"`` only when there are some, so a
+        DP-only ledger serialises exactly as before."""
+        out = {"format": _FORMAT, "version": _VERSION, "relation": self.relation.value,
+               "accountant": self.accountant, "pld_discretization": self.pld_discretization,
+               "entries": [{"label": e.label, "count": e.count, "event": event_to_dict(e.event)}
+                           for e in self._entries]}
+        if self._mi_entries:
+            out["mi_entries"] = [{"label": e.label, "count": e.count, "nats": e.nats}
+                                 for e in self._mi_entries]
+        return out
 
     @classmethod
     def from_dict(cls, obj: dict[str, Any]) -> Ledger:
@@ -374,6 +422,8 @@ class Ledger:
                 ledger._entries.append(LedgerEntry(event=event_from_dict(item["event"]),
                                                    count=_check_count("count", item["count"]),
                                                    label=str(item["label"])))
+            for item in obj.get("mi_entries", []):
+                ledger.record_mi(item["nats"], item["count"], label=str(item["label"]))
         except (KeyError, TypeError) as err:
             raise ValueError(f"malformed ledger record (missing or wrong field {err})") from err
         return ledger

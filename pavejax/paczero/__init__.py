@@ -1,0 +1,47 @@
+"""PACZero: PAC-private zeroth-order fine-tuning (ZPL and MI) with MeZO and DP-ZO baselines.
+
+Modules: :mod:`~pavejax.paczero.perturb` (seeded directions, two-point differences),
+:mod:`~pavejax.paczero.subsets` (candidate subsets, signs), :mod:`~pavejax.paczero.mechanisms`
+(release rules), :mod:`~pavejax.paczero.train` (loop) and :mod:`~pavejax.paczero.checkpoint`.
+"""
+
+from pavejax.paczero.checkpoint import load_checkpoint, save_checkpoint
+from pavejax.paczero.mechanisms import (
+    KINDS,
+    MechanismState,
+    Release,
+    dpzo_release,
+    dpzo_step_event,
+    init_mechanism_state,
+    mezo_release,
+    mi_release,
+    per_step_budget,
+    positive_mass,
+    zpl_release,
+)
+from pavejax.paczero.perturb import (
+    apply_directions,
+    clip_differences,
+    direction,
+    direction_keys,
+    per_example_losses,
+    perturbed,
+    two_point_differences,
+)
+from pavejax.paczero.subsets import (
+    draw_secret,
+    membership_matrix,
+    subset_means,
+    subset_signs,
+    unanimous,
+)
+from pavejax.paczero.train import ZOConfig, ZOState, init_state, learning_rate, train
+
+__all__ = [
+    "KINDS", "MechanismState", "Release", "ZOConfig", "ZOState", "apply_directions",
+    "clip_differences", "direction", "direction_keys", "dpzo_release", "dpzo_step_event",
+    "draw_secret", "init_mechanism_state", "init_state", "learning_rate", "load_checkpoint",
+    "membership_matrix", "mezo_release", "mi_release", "per_example_losses", "per_step_budget",
+    "perturbed", "positive_mass", "save_checkpoint", "subset_means", "subset_signs", "train",
+    "two_point_differences", "unanimous", "zpl_release",
+]

@@ -1,0 +1,175 @@
+"""Release rules of zeroth-order fine-tuning: MeZO, DP-ZO, PACZero-ZPL and PACZero-MI.
+
+Each step computes, on the device, K directions' per-example clipped projected gradients ĝ and
+from them the M candidate-subset signs (PACZero), the pool mean (MeZO) or a clipped sum over a
+Poisson sample (DP-ZO). The rules here turn those into the K released scalars Y_k; the update is
+θ ← θ − η_t (1/K) Σ_k Y_k z_k. They run on the host in float64 with a numpy generator whose
+state lives in `MechanismState` (so a resumed run draws exactly the same numbers).
+
+Guarantees:
+
+* **MeZO** (``"mezo"``): none; Y = mean of the clipped ĝ over the pool.
+* **DP-ZO** (``"dpzo"``): (ε, δ)-DP under add/remove neighbouring. Y = (Σ_{i∈batch} clip(ĝ_i)
+  + N(0, (σC)²)) / b with Poisson sampling at rate b/N; with K directions the per-example vector
+  has L2 norm <= C√K, so one step is the Gaussian event of multiplier σ/√K (`dpzo_step_event`).
+* **PACZero-ZPL** (``"zpl"``): I(S*; Y_1:T) = 0. Unanimous signs are released as is; otherwise Y
+  is a fair coin. `zpl_release` never receives the secret.
+* **PACZero-MI** (``"mi"``): I(S*; Y_1:T) <= B nats. With posterior mass q₊ on s* = +1 and
+  per-release budget β (capped at 0.999·H_b(q₊)), y = s* + N(0, σ²) with I_BIAWGN(q₊, σ) <= β
+  (conservative calibration), Y = sign(y) (ties +1), the posterior is updated on the real y
+  (treated as public: conservative), and β is charged. The chain rule bounds the total by Σβ.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import numpy as np
+from dp_accounting import dp_event
+from scipy import special
+
+from pavejax.accounting import gaussian_step_event
+from pavejax.accounting.pac import (
+    biawgn_mutual_information,
+    binary_entropy,
+    calibrate_biawgn_sigma,
+)
+
+__all__ = [
+    "KINDS", "MechanismState", "Release", "dpzo_release", "dpzo_step_event",
+    "init_mechanism_state", "mezo_release", "mi_release", "per_step_budget", "positive_mass",
+    "zpl_release",
+]
+
+KINDS = ("mezo", "dpzo", "zpl", "mi")
+_CERTAIN = 1e-12  # posterior mass below which a sign counts as impossible (PAC-unanimous)
+
+
+@dataclasses.dataclass(frozen=True)
+class Release:
+    """One released scalar and what it cost.
+
+    ``value``: Y (±1 for PACZero, real for MeZO/DP-ZO); ``unanimous``: the step needed no noise;
+    ``charged``: nats charged to the budget; ``realised``: the mutual information the release
+    actually has (<= charged); ``sigma``: the Gaussian noise std (None if none); ``q_plus``: the
+    prior mass on s* = +1.
+    """
+
+    value: float
+    unanimous: bool = False
+    charged: float = 0.0
+    realised: float = 0.0
+    sigma: float | None = None
+    q_plus: float | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class MechanismState:
+    """Host-side secret state: log posterior over the M candidates (float64), nats used, and the
+    mechanism generator's state (a `numpy.random.PCG64` state dict). Private: never release it."""
+
+    log_posterior: np.ndarray
+    mi_used: float
+    rng_state: dict[str, Any]
+
+    def generator(self) -> np.random.Generator:
+        """A generator positioned exactly at ``rng_state``."""
+        bit = np.random.PCG64()
+        bit.state = self.rng_state
+        return np.random.Generator(bit)
+
+    def posterior(self) -> np.ndarray:
+        """The normalised posterior over candidates, shape (M,)."""
+        return np.exp(self.log_posterior - special.logsumexp(self.log_posterior))
+
+
+def init_mechanism_state(rng: np.random.Generator, num_subsets: int) -> MechanismState:
+    """Uniform posterior over ``num_subsets`` candidates, nothing used, generator ``rng``."""
+    if not isinstance(rng.bit_generator, np.random.PCG64):
+        raise TypeError("the mechanism generator must use PCG64 (np.random.default_rng)")
+    return MechanismState(np.full(int(num_subsets), -math.log(num_subsets)), 0.0,
+                          rng.bit_generator.state)
+
+
+def positive_mass(log_posterior: np.ndarray, signs: np.ndarray) -> float:
+    """q₊ = posterior mass of the candidates whose sign is +1 (float64)."""
+    signs = np.asarray(signs)
+    lp = np.asarray(log_posterior, np.float64) - special.logsumexp(log_posterior)
+    pos = signs > 0
+    if not pos.any():
+        return 0.0
+    if pos.all():
+        return 1.0
+    return float(np.exp(special.logsumexp(lp[pos])))
+
+
+def per_step_budget(budget: float, used: float, step: int, total_steps: int) -> float:
+    """Adaptive per-step budget β_t = max(B − used, 0)/(T − t) (t 0-based), never letting
+    used + β_t exceed B in floating point; 0 once t >= T."""
+    if step >= total_steps:
+        return 0.0
+    beta = max(budget - used, 0.0) / (total_steps - step)
+    while beta > 0.0 and used + beta > budget:
+        beta = float(np.nextafter(beta, 0.0))
+    return beta
+
+
+def zpl_release(signs: np.ndarray, rng: np.random.Generator) -> Release:
+    """PACZero-ZPL: the common sign if all M candidate signs agree, else a fair coin.
+
+    The secret is not an argument: the release cannot depend on it (zero mutual information).
+    """
+    signs = np.asarray(signs)
+    if np.all(signs == signs[0]):
+        return Release(float(1.0 if signs[0] > 0 else -1.0), unanimous=True)
+    return Release(float(1.0 if rng.random() < 0.5 else -1.0))
+
+
+def mi_release(signs: np.ndarray, secret: int, log_posterior: np.ndarray, beta: float,
+               rng: np.random.Generator, *, faithful: bool = False) -> tuple[Release, np.ndarray]:
+    """PACZero-MI release of one direction with per-release budget ``beta`` (nats).
+
+    Returns the release and the updated log posterior (M,). PAC-unanimous (q₊ within 1e-12 of 0
+    or 1): releases s* with no noise and charges 0. Otherwise β ← min(β, 0.999·H_b(q₊)); with
+    β = 0 (budget spent) the caller must stop before calling. σ solves I_BIAWGN(q₊, σ) = β
+    (conservatively unless ``faithful``).
+    """
+    signs = np.asarray(signs)
+    s_star = float(signs[secret])
+    q = positive_mass(log_posterior, signs)
+    if q <= _CERTAIN or q >= 1.0 - _CERTAIN:
+        return Release(1.0 if s_star > 0 else -1.0, unanimous=True, q_plus=q), log_posterior
+    if beta <= 0.0:
+        raise ValueError("the per-release budget is 0 (the MI budget is spent); stop training "
+                         "instead of releasing")
+    beta = min(beta, 0.999 * binary_entropy(q))
+    sigma = calibrate_biawgn_sigma(q, beta, faithful=faithful)
+    y = s_star + sigma * float(rng.standard_normal())
+    s = np.where(signs > 0, 1.0, -1.0)
+    updated = np.asarray(log_posterior, np.float64) - (y - s) ** 2 / (2.0 * sigma**2)
+    updated = updated - special.logsumexp(updated)
+    release = Release(1.0 if y >= 0.0 else -1.0, charged=beta,
+                      realised=biawgn_mutual_information(q, sigma), sigma=sigma, q_plus=q)
+    return release, updated
+
+
+def mezo_release(pool_mean: float) -> Release:
+    """MeZO (non-private): the projected gradient itself, Y = mean clipped ĝ."""
+    return Release(float(pool_mean))
+
+
+def dpzo_release(clipped_sum: float, rng: np.random.Generator, *, noise_multiplier: float,
+                 clip: float, expected_batch_size: float) -> Release:
+    """DP-ZO: (Σ clip(ĝ_i) + N(0, (σ·clip)²)) / expected batch size."""
+    noise = noise_multiplier * clip * float(rng.standard_normal())
+    return Release((float(clipped_sum) + noise) / expected_batch_size,
+                   sigma=noise_multiplier * clip / expected_batch_size)
+
+
+def dpzo_step_event(noise_multiplier: float, *, q: float, num_directions: int = 1
+                    ) -> dp_event.DpEvent:
+    """DP event of one DP-ZO step: K clipped scalars per example (L2 norm <= C√K) with noise
+    σC per coordinate, i.e. a Poisson-subsampled Gaussian of multiplier σ/√K."""
+    return gaussian_step_event(noise_multiplier / math.sqrt(num_directions), q=q)

@@ -1,0 +1,294 @@
+"""Zeroth-order fine-tuning loop: MeZO, DP-ZO, PACZero-ZPL and PACZero-MI in one code path.
+
+Every step t: K public direction keys (`direction_keys`), per-example clipped two-point
+differences over the pool (or a Poisson sample for DP-ZO) on the device, the mechanism's K
+releases on the host, then θ ← θ − η_t (1/K) Σ_k Y_k z_k with η_t = (η₀ − η_end)(1 − t/T) + η_end.
+Works for any trainable pytree (LoRA factors or all weights) and any per-example loss
+``loss_fn(trainable, frozen, example)``.
+
+Dev-set selection evaluates ``dev_fn(trainable)`` (lower is better) every ``eval_every`` steps;
+the dev data lies outside the pool, so selection does not touch the secret. Checkpoints (see
+`pavejax.paczero.checkpoint`) restore the posterior, the budget used and every generator, so a
+resumed run equals an uninterrupted one bit for bit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pavejax.accounting import Ledger, calibrate_noise
+from pavejax.paczero import mechanisms as mech
+from pavejax.paczero.perturb import (
+    apply_directions,
+    clip_differences,
+    direction_keys,
+    two_point_differences,
+)
+from pavejax.paczero.subsets import (
+    draw_secret,
+    membership_matrix,
+    subset_means,
+    subset_signs,
+)
+from pavejax.privacy import SamplingConfig, take_batch
+
+__all__ = ["ZOConfig", "ZOState", "init_state", "learning_rate", "train"]
+
+PyTree = Any
+
+
+@dataclasses.dataclass(frozen=True)
+class ZOConfig:
+    """Hyper-parameters of a zeroth-order run (validated on construction).
+
+    mechanism: ``"mezo"``, ``"dpzo"``, ``"zpl"`` or ``"mi"``. steps: T. learning_rate: η₀ (linear
+    decay to ``lr_end``). eps: perturbation scale ε. clip: per-example bound c on |ĝ_i| (the DP-ZO
+    sensitivity). num_directions: K. num_subsets: M (even). mi_budget: B in nats (``"mi"``).
+    faithful: reproduce the reference σ solver. dp_epsilon / dp_delta / dp_batch_size: DP-ZO
+    target and expected Poisson batch. microbatch_size: forward chunk size. eval_every: dev
+    evaluation period (0 = only at the end).
+    """
+
+    mechanism: str
+    steps: int
+    learning_rate: float
+    lr_end: float = 1e-7
+    eps: float = 1e-3
+    clip: float = 25.0
+    num_directions: int = 1
+    num_subsets: int = 128
+    mi_budget: float | None = None
+    faithful: bool = False
+    dp_epsilon: float | None = None
+    dp_delta: float = 1e-5
+    dp_batch_size: int | None = None
+    microbatch_size: int | None = None
+    eval_every: int = 0
+
+    def __post_init__(self):
+        if self.mechanism not in mech.KINDS:
+            raise ValueError(f"mechanism must be one of {mech.KINDS}, got {self.mechanism!r}")
+        for name in ("steps", "num_directions"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+        for name in ("learning_rate", "eps", "clip"):
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
+                raise ValueError(f"{name} must be a finite number > 0, got {v!r}")
+        if self.num_subsets < 2 or self.num_subsets % 2:
+            raise ValueError(f"num_subsets must be an even integer >= 2, got {self.num_subsets}")
+        if self.mechanism == "mi" and not (self.mi_budget is not None and self.mi_budget > 0):
+            raise ValueError("mechanism 'mi' needs mi_budget > 0 (nats), e.g. 0.33 (≈ ε=2 at "
+                             "the MIA level)")
+        if self.mechanism == "dpzo" and (self.dp_epsilon is None or self.dp_batch_size is None):
+            raise ValueError("mechanism 'dpzo' needs dp_epsilon and dp_batch_size (the expected "
+                             "Poisson batch size)")
+        if self.eval_every < 0:
+            raise ValueError(f"eval_every must be >= 0, got {self.eval_every}")
+
+
+@dataclasses.dataclass(frozen=True)
+class ZOState:
+    """Everything a run needs to continue exactly. Fields marked secret must stay private.
+
+    step: steps done. trainable: current θ. best / best_dev / best_step: dev selection.
+    public_seed: seed of the public direction keys. mechanism: posterior, nats used, generator
+    (secret). membership: (N, M) bool (public) or None. secret: j* (secret) or None.
+    charges: nats charged per step. unanimous / releases: counts for the unanimity rate.
+    dp_noise_multiplier: σ of DP-ZO (relative to clip) or None. stopped: budget exhausted.
+    """
+
+    step: int
+    trainable: PyTree
+    public_seed: int
+    mechanism: mech.MechanismState
+    membership: np.ndarray | None = None
+    secret: int | None = None
+    charges: tuple[float, ...] = ()
+    unanimous: int = 0
+    releases: int = 0
+    best: PyTree | None = None
+    best_dev: float | None = None
+    best_step: int | None = None
+    dp_noise_multiplier: float | None = None
+    stopped: bool = False
+
+    @property
+    def unanimity_rate(self) -> float:
+        """Fraction of releases that needed no noise (0 before the first release)."""
+        return self.unanimous / self.releases if self.releases else 0.0
+
+    @property
+    def mi_used(self) -> float:
+        """Mutual information charged so far (nats)."""
+        return self.mechanism.mi_used
+
+    def ledger(self, config: ZOConfig, pool_size: int, *, label: str = "paczero") -> Ledger:
+        """The run's privacy ledger: DP events for DP-ZO, per-step MI charges for ZPL/MI."""
+        led = Ledger("add_remove", "rdp")
+        if config.mechanism == "dpzo" and self.step:
+            led.record(mech.dpzo_step_event(self.dp_noise_multiplier,
+                                            q=config.dp_batch_size / pool_size,
+                                            num_directions=config.num_directions),
+                       count=self.step, label=label)
+        elif config.mechanism == "zpl" and self.step:
+            led.record_mi(0.0, count=self.step, label=label)
+        elif config.mechanism == "mi":
+            for c in self.charges:
+                led.record_mi(c, label=label)
+        return led
+
+
+def learning_rate(config: ZOConfig, step: int) -> float:
+    """η_t = (η₀ − η_end)(1 − t/T) + η_end (HF polynomial decay, power 1, no warm-up)."""
+    return (config.learning_rate - config.lr_end) * (1.0 - step / config.steps) + config.lr_end
+
+
+def init_state(config: ZOConfig, trainable: PyTree, pool_size: int, *, public_seed: int,
+               mechanism_seed: int | np.random.SeedSequence) -> ZOState:
+    """Fresh state. ``public_seed`` drives the directions (public); ``mechanism_seed`` drives the
+    membership matrix, the secret, coins, noise and Poisson sampling (keep it secret)."""
+    rng = np.random.default_rng(mechanism_seed)
+    membership = secret = None
+    if config.mechanism in ("zpl", "mi"):
+        membership = membership_matrix(rng, pool_size, config.num_subsets)
+        secret = draw_secret(rng, config.num_subsets)
+    sigma = None
+    if config.mechanism == "dpzo":
+        sigma = calibrate_noise(config.dp_epsilon, config.dp_delta,
+                                q=config.dp_batch_size / pool_size, steps=config.steps)
+        sigma *= math.sqrt(config.num_directions)
+    return ZOState(step=0, trainable=trainable, public_seed=int(public_seed),
+                   mechanism=mech.init_mechanism_state(rng, config.num_subsets),
+                   membership=membership, secret=secret, dp_noise_multiplier=sigma)
+
+
+@functools.lru_cache(maxsize=32)
+def _device_fns(loss_fn: Callable, eps: float, clip: float, microbatch_size: int | None):
+    def signals(trainable, frozen, batch, mask, keys, membership):
+        def one(key):
+            g = two_point_differences(loss_fn, trainable, frozen, batch, key, eps,
+                                      microbatch_size)
+            return clip_differences(g, clip) * mask.astype(jnp.float32)
+
+        g = jax.lax.map(one, keys)                                   # (K, N)
+        n = jnp.maximum(jnp.sum(mask.astype(jnp.float32)), jnp.float32(1.0))
+        out = {"sum": jnp.sum(g, axis=1), "mean": jnp.sum(g, axis=1) / n}
+        if membership is not None:
+            out["signs"] = subset_signs(subset_means(g, membership))
+        return out
+
+    update = jax.jit(apply_directions, donate_argnums=0)
+    return jax.jit(signals), update
+
+
+def _releases(config: ZOConfig, state: ZOState, out: dict, rng: np.random.Generator,
+              pool_size: int) -> tuple[list[mech.Release], mech.MechanismState]:
+    k, m = config.num_directions, state.mechanism
+    if config.mechanism == "mezo":
+        return [mech.mezo_release(v) for v in np.asarray(out["mean"])], m
+    if config.mechanism == "dpzo":
+        return [mech.dpzo_release(v, rng, noise_multiplier=state.dp_noise_multiplier,
+                                  clip=config.clip, expected_batch_size=config.dp_batch_size)
+                for v in np.asarray(out["sum"], np.float64)], m
+    signs = np.asarray(out["signs"])
+    if config.mechanism == "zpl":
+        return [mech.zpl_release(signs[j], rng) for j in range(k)], m
+    beta = mech.per_step_budget(config.mi_budget, m.mi_used, state.step, config.steps) / k
+    logp, rels = m.log_posterior, []
+    for j in range(k):
+        rel, logp = mech.mi_release(signs[j], state.secret, logp, beta, rng,
+                                    faithful=config.faithful)
+        rels.append(rel)
+    used = math.fsum([m.mi_used, *(r.charged for r in rels)])
+    return rels, dataclasses.replace(m, log_posterior=logp, mi_used=min(used, config.mi_budget))
+
+
+def _host_copy(tree: PyTree) -> PyTree:
+    return jax.tree.map(lambda x: np.array(x, copy=True), tree)
+
+
+def _maybe_eval(state: ZOState, dev_fn: Callable | None) -> ZOState:
+    if dev_fn is None:
+        return state
+    value = float(dev_fn(state.trainable))
+    if state.best_dev is None or value < state.best_dev:
+        return dataclasses.replace(state, best=_host_copy(state.trainable), best_dev=value,
+                                   best_step=state.step)
+    return state
+
+
+def train(config: ZOConfig, loss_fn: Callable, state: ZOState, frozen: PyTree, pool: PyTree,
+          *, dev_fn: Callable[[PyTree], float] | None = None, until: int | None = None,
+          checkpoint_dir: Any = None, checkpoint_every: int = 0,
+          progress: bool = False) -> ZOState:
+    """Runs steps ``state.step .. until`` (default T) and returns the new state.
+
+    ``pool``: pytree of arrays with a leading example axis N (the candidate pool for PACZero, the
+    private training set for MeZO/DP-ZO). ``loss_fn(trainable, frozen, example)`` -> scalar.
+    ``dev_fn(trainable)`` -> dev loss for selection. With ``checkpoint_dir`` and
+    ``checkpoint_every`` a checkpoint is written every that many steps and at the end.
+    PACZero-MI stops early once its budget is spent. ``progress`` shows a bar with the unanimity
+    rate and the nats used.
+    """
+    from pavejax.paczero.checkpoint import save_checkpoint
+
+    n = int(jax.tree.leaves(pool)[0].shape[0])
+    until = config.steps if until is None else min(int(until), config.steps)
+    signals, update = _device_fns(loss_fn, float(config.eps), float(config.clip),
+                                  config.microbatch_size)
+    membership = None if state.membership is None else jnp.asarray(state.membership)
+    public_key = jax.random.key(state.public_seed)
+    sampler = (SamplingConfig("poisson", n, config.dp_batch_size)
+               if config.mechanism == "dpzo" else None)
+    full_mask = jnp.ones((n,), bool)
+    state = dataclasses.replace(state, trainable=jax.tree.map(jnp.copy, state.trainable))
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+        bar = tqdm(total=until, initial=state.step, desc=config.mechanism)
+    while state.step < until and not state.stopped:
+        rng = state.mechanism.generator()
+        keys = direction_keys(public_key, state.step, config.num_directions)
+        batch, mask = pool, full_mask
+        if sampler is not None:
+            idx, mask = sampler.sample(jax.random.key(int(rng.integers(2**32))))
+            batch = take_batch(pool, idx)
+        out = signals(state.trainable, frozen, batch, mask, keys, membership)
+        rels, mstate = _releases(config, state, out, rng, n)
+        mstate = dataclasses.replace(mstate, rng_state=rng.bit_generator.state)
+        coeffs = jnp.asarray([r.value for r in rels], jnp.float32)
+        trainable = update(state.trainable, keys, coeffs,
+                           jnp.float32(learning_rate(config, state.step)))
+        charged = math.fsum(r.charged for r in rels)
+        state = dataclasses.replace(
+            state, step=state.step + 1, trainable=trainable, mechanism=mstate,
+            charges=(*state.charges, charged) if config.mechanism == "mi" else state.charges,
+            unanimous=state.unanimous + sum(r.unanimous for r in rels),
+            releases=state.releases + len(rels),
+            stopped=config.mechanism == "mi" and mstate.mi_used >= config.mi_budget
+            and state.step + 1 < config.steps)
+        if config.eval_every and state.step % config.eval_every == 0:
+            state = _maybe_eval(state, dev_fn)
+        if checkpoint_dir is not None and checkpoint_every and state.step % checkpoint_every == 0:
+            save_checkpoint(checkpoint_dir, state, config)
+        if bar is not None:
+            bar.update(1)
+            bar.set_postfix(unanimity=f"{state.unanimity_rate:.3f}", mi=f"{state.mi_used:.4g}")
+    if bar is not None:
+        bar.close()
+    finished = state.step >= config.steps or state.stopped
+    if finished and (not config.eval_every or state.step % config.eval_every):
+        state = _maybe_eval(state, dev_fn)  # an interrupted run must not select here
+    if checkpoint_dir is not None:
+        save_checkpoint(checkpoint_dir, state, config)
+    return state

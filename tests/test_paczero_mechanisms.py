@@ -1,0 +1,161 @@
+"""Candidate subsets and the release rules (ZPL, MI, MeZO, DP-ZO), plus a ZPL membership audit."""
+
+import math
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from scipy import stats
+
+from pavejax.accounting.pac import biawgn_mutual_information
+from pavejax.paczero import (
+    dpzo_release,
+    dpzo_step_event,
+    draw_secret,
+    init_mechanism_state,
+    membership_matrix,
+    mi_release,
+    per_step_budget,
+    positive_mass,
+    subset_means,
+    subset_signs,
+    unanimous,
+    zpl_release,
+)
+
+
+def test_membership_matrix_half_of_subsets_each():
+    b = membership_matrix(np.random.default_rng(0), 300, 16)
+    assert b.shape == (300, 16) and b.dtype == bool
+    assert np.all(b.sum(axis=1) == 8)
+    # Each column holds each example with probability 1/2: sizes near 150.
+    assert np.all(np.abs(b.sum(axis=0) - 150) < 5 * math.sqrt(75))
+    with pytest.raises(ValueError, match="even integer"):
+        membership_matrix(np.random.default_rng(0), 10, 7)
+    with pytest.raises(TypeError, match="Generator"):
+        membership_matrix(0, 10, 4)
+
+
+def test_secret_is_uniform():
+    rng = np.random.default_rng(1)
+    draws = [draw_secret(rng, 8) for _ in range(4000)]
+    counts = np.bincount(draws, minlength=8)
+    assert stats.chisquare(counts).pvalue > 1e-3
+
+
+def test_subset_means_signs_unanimity_match_a_loop():
+    rng = np.random.default_rng(2)
+    b = membership_matrix(rng, 20, 6)
+    g = rng.normal(size=(3, 20)).astype(np.float32)
+    means = np.asarray(subset_means(jnp.asarray(g), jnp.asarray(b)))
+    want = np.array([[g[k, b[:, m]].mean() for m in range(6)] for k in range(3)])
+    np.testing.assert_allclose(means, want, rtol=1e-5, atol=1e-6)
+    signs = subset_signs(jnp.array([[0.0, -1e-9, 2.0]], jnp.float32))
+    np.testing.assert_array_equal(signs, [[1, -1, 1]])  # a tie goes to +1
+    assert list(np.asarray(unanimous(jnp.array([[1, 1], [1, -1], [-1, -1]], jnp.int8)))) == [
+        True, False, True]
+
+
+@pytest.mark.parametrize("budget", [1e-4, 0.33, 0.68, 5.0])
+@pytest.mark.parametrize("total", [1, 7, 1000])
+def test_adaptive_budget_never_exceeds_total(budget, total):
+    rng = np.random.default_rng(3)
+    used = 0.0
+    for t in range(total):
+        beta = per_step_budget(budget, used, t, total)
+        assert beta >= 0.0
+        used += beta * rng.choice([1.0, 1.0, 0.5, 0.0])  # caps and unanimous steps spend less
+        assert used <= budget
+    assert per_step_budget(budget, 0.0, total, total) == 0.0
+    assert per_step_budget(budget, 0.0, 0, total) == pytest.approx(budget / total)
+
+
+def test_zpl_unanimous_and_coin():
+    rng = np.random.default_rng(4)
+    assert zpl_release(np.full(8, -1, np.int8), rng).value == -1.0
+    r = zpl_release(np.full(8, 1, np.int8), rng)
+    assert r.value == 1.0 and r.unanimous and r.charged == 0.0
+    mixed = np.array([1, -1] * 4, np.int8)
+    values = [zpl_release(mixed, rng).value for _ in range(2000)]
+    assert stats.binomtest(sum(v > 0 for v in values), 2000).pvalue > 1e-3
+
+
+def test_positive_mass():
+    logp = np.log(np.array([0.1, 0.2, 0.3, 0.4]))
+    assert positive_mass(logp, np.array([1, -1, 1, -1])) == pytest.approx(0.4)
+    assert positive_mass(logp, np.array([1, 1, 1, 1])) == 1.0
+
+
+@pytest.mark.parametrize("budget, steps", [(1e-4, 50), (1e-4, 2000), (0.33, 100), (0.68, 40)])
+def test_mi_release_realised_never_exceeds_charged(budget, steps):
+    rng = np.random.default_rng(5)
+    m = 16
+    logp = init_mechanism_state(rng, m).log_posterior
+    secret, used = 3, 0.0
+    for t in range(min(steps, 60)):
+        signs = rng.choice(np.array([-1, 1], np.int8), size=m)
+        beta = per_step_budget(budget, used, t, steps)
+        rel, logp = mi_release(signs, secret, logp, beta, rng)
+        assert rel.realised <= rel.charged <= beta
+        if rel.sigma is not None:
+            assert rel.realised == pytest.approx(biawgn_mutual_information(rel.q_plus, rel.sigma))
+        assert np.exp(logp).sum() == pytest.approx(1.0)
+        used += rel.charged
+    assert used <= budget
+
+
+def test_mi_unanimous_is_free_and_keeps_posterior():
+    rng = np.random.default_rng(6)
+    logp = init_mechanism_state(rng, 8).log_posterior
+    rel, out = mi_release(np.full(8, -1, np.int8), 2, logp, 1e-3, rng)
+    assert rel.value == -1.0 and rel.unanimous and rel.charged == 0.0
+    np.testing.assert_array_equal(out, logp)
+    with pytest.raises(ValueError, match="budget is spent"):
+        mi_release(np.array([1, -1] * 4, np.int8), 2, logp, 0.0, rng)
+
+
+def test_mi_large_budget_moves_posterior_towards_secret():
+    rng = np.random.default_rng(7)
+    m, secret = 8, 5
+    logp = init_mechanism_state(rng, m).log_posterior
+    for _ in range(40):
+        signs = rng.choice(np.array([-1, 1], np.int8), size=m)
+        rel, logp = mi_release(signs, secret, logp, 0.3, rng)
+    assert int(np.argmax(logp)) == secret
+
+
+def test_dpzo_release_noise_scale_and_event():
+    rng = np.random.default_rng(8)
+    values = [dpzo_release(0.0, rng, noise_multiplier=2.0, clip=3.0, expected_batch_size=10.0)
+              .value for _ in range(4000)]
+    assert np.std(values) == pytest.approx(0.6, rel=0.05)
+    ev = dpzo_step_event(2.0, q=0.1, num_directions=4)
+    assert ev.event.noise_multiplier == pytest.approx(1.0) and ev.sampling_probability == 0.1
+
+
+def _membership_attack(release_fn, trials, rng):
+    """Adversary knowing the public signs and membership guesses example 0's membership from
+    the candidate most consistent with the releases."""
+    m, steps = 16, 40
+    b = membership_matrix(rng, 30, m)
+    signs = np.where(rng.normal(size=(steps, 30)) @ b / 15 + 0.1 * rng.normal(size=(steps, 1))
+                     >= 0, 1, -1).astype(np.int8)
+    wins = 0
+    for _ in range(trials):
+        secret = int(rng.integers(m))
+        y = np.array([release_fn(signs[t], secret, rng) for t in range(steps)])
+        score = y @ signs
+        guess = int(rng.choice(np.flatnonzero(score == score.max())))
+        wins += b[0, guess] == b[0, secret]
+    return wins
+
+
+def test_zpl_membership_attack_is_at_chance():
+    rng = np.random.default_rng(9)
+    trials = 600
+    wins = _membership_attack(lambda s, j, r: zpl_release(s, r).value, trials, rng)
+    ci = stats.binomtest(wins, trials).proportion_ci(0.999)
+    assert ci.low <= 0.5 <= ci.high
+    # Deliberately broken variant: release the secret's own sign on disagreement.
+    broken = _membership_attack(lambda s, j, r: float(s[j]), trials, rng)
+    assert stats.binomtest(broken, trials).proportion_ci(0.999).low > 0.8
