@@ -84,14 +84,15 @@ def _bytes(fn, *args):
 
 
 def _cost(loss, trainable, frozen, pool, repeats, microbatch):
-    signals, update = _device_fns(loss, 1e-3, 25.0, microbatch)
+    signals, update = _device_fns(loss, microbatch)
+    eps, clip = jnp.float32(1e-3), jnp.float32(25.0)
     forward = jax.jit(lambda tr, fr, b: per_example_losses(loss, tr, fr, b, microbatch))
     keys = jax.random.key(0)[None]
     mask = jnp.ones((pool["label"].shape[0],), bool)
     state = {"tr": jax.tree.map(jnp.copy, trainable)}
 
     def step():
-        out = signals(state["tr"], frozen, pool, mask, keys, None)
+        out = signals(state["tr"], frozen, pool, mask, keys, eps, clip, None)
         y = jnp.sign(out["mean"]).astype(jnp.float32)
         state["tr"] = update(state["tr"], keys, y, jnp.float32(1e-6))
         jax.block_until_ready(state["tr"])
@@ -100,7 +101,7 @@ def _cost(loss, trainable, frozen, pool, repeats, microbatch):
         jax.block_until_ready(forward(trainable, frozen, pool))
 
     t = _common.interleaved_medians({"step": step, "forward": fwd}, repeats=repeats)
-    mem = (_bytes(signals, trainable, frozen, pool, mask, keys, None),
+    mem = (_bytes(signals, trainable, frozen, pool, mask, keys, eps, clip, None),
            _bytes(forward, trainable, frozen, pool))
     return t["step"] / t["forward"], mem[0] / mem[1]
 

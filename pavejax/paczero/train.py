@@ -164,23 +164,31 @@ def init_state(config: ZOConfig, trainable: PyTree, pool_size: int, *, public_se
         secret = draw_secret(rng, config.num_subsets)
     sigma = None
     if config.mechanism == "dpzo":
-        sigma = calibrate_noise(config.dp_epsilon, config.dp_delta,
-                                q=config.dp_batch_size / pool_size, steps=config.steps)
+        sigma = _dp_noise_multiplier(float(config.dp_epsilon), float(config.dp_delta),
+                                     config.dp_batch_size / pool_size, config.steps)
         sigma *= math.sqrt(config.num_directions)
     return ZOState(step=0, trainable=trainable, public_seed=int(public_seed),
                    mechanism=mech.init_mechanism_state(rng, config.num_subsets),
                    membership=membership, secret=secret, dp_noise_multiplier=sigma)
 
 
+@functools.lru_cache(maxsize=64)
+def _dp_noise_multiplier(epsilon: float, delta: float, q: float, steps: int) -> float:
+    # The accountant's search takes seconds; runs with one DP setting solve it once.
+    return calibrate_noise(epsilon, delta, q=q, steps=steps)
+
+
 @functools.lru_cache(maxsize=32)
-def _device_fns(loss_fn: Callable, eps: float, clip: float, microbatch_size: int | None):
-    def signals(trainable, frozen, batch, mask, keys, membership):
+def _device_fns(loss_fn: Callable, microbatch_size: int | None):
+    # eps and clip are traced, so runs that differ only in them share one compilation.
+    def signals(trainable, frozen, batch, mask, keys, eps, clip, membership):
         def one(key):
             g = two_point_differences(loss_fn, trainable, frozen, batch, key, eps,
                                       microbatch_size)
             return clip_differences(g, clip) * mask.astype(jnp.float32)
 
-        g = jax.lax.map(one, keys)                                   # (K, N)
+        # K = 1, the common case, runs without a loop around the two passes.
+        g = one(keys[0])[None] if keys.shape[0] == 1 else jax.lax.map(one, keys)  # (K, N)
         n = jnp.maximum(jnp.sum(mask.astype(jnp.float32)), jnp.float32(1.0))
         out = {"sum": jnp.sum(g, axis=1), "mean": jnp.sum(g, axis=1) / n}
         if membership is not None:
@@ -244,8 +252,8 @@ def train(config: ZOConfig, loss_fn: Callable, state: ZOState, frozen: PyTree, p
 
     n = int(jax.tree.leaves(pool)[0].shape[0])
     until = config.steps if until is None else min(int(until), config.steps)
-    signals, update = _device_fns(loss_fn, float(config.eps), float(config.clip),
-                                  config.microbatch_size)
+    signals, update = _device_fns(loss_fn, config.microbatch_size)
+    eps, clip = jnp.float32(config.eps), jnp.float32(config.clip)
     membership = None if state.membership is None else jnp.asarray(state.membership)
     public_key = jax.random.key(state.public_seed)
     sampler = (SamplingConfig("poisson", n, config.dp_batch_size)
@@ -263,7 +271,7 @@ def train(config: ZOConfig, loss_fn: Callable, state: ZOState, frozen: PyTree, p
         if sampler is not None:
             idx, mask = sampler.sample(jax.random.key(int(rng.integers(2**32))))
             batch = take_batch(pool, idx)
-        out = signals(state.trainable, frozen, batch, mask, keys, membership)
+        out = signals(state.trainable, frozen, batch, mask, keys, eps, clip, membership)
         rels, mstate = _releases(config, state, out, rng, n)
         mstate = dataclasses.replace(mstate, rng_state=rng.bit_generator.state)
         coeffs = jnp.asarray([r.value for r in rels], jnp.float32)
