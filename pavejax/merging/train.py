@@ -1,0 +1,412 @@
+"""DP fine-tuning that keeps task models mergeable: DP-SGD/AdamW, DP-SAM and the anchor.
+
+One step on task data with trainable parameters w and the public starting point w0:
+
+```
+e  = rho * a / (||a|| + 1e-12)      # ascent direction a, by mode (below); e = 0 for "none"
+g  = priv(B, w + e)                 # clipped per-example gradients, Gaussian noise, / (q N)
+g += 2 * anchor * (w - w0)          # reference anchor: no data, added after privatisation
+w  = optimiser(w, g)                # AdamW by default (decoupled weight decay toward 0)
+```
+
+Modes of the ascent direction ``a`` and their privacy (K steps, sampling rate q, multiplier z):
+
+| mode     | ascent ``a``                                   | event per run                                      |
+|----------|-------------------------------------------------|----------------------------------------------------|
+| "none"   | none (plain DP-SGD / DP-AdamW)                  | ``SelfComposed(PoissonSampled(q, G(z)), K)``       |
+| "fresh"  | ``priv(B', w)`` on a *new* Poisson batch B'     | ``SelfComposed(PoissonSampled(q, G(z)), 2K)``      |
+| "same"   | ``priv(B, w)`` on the *same* batch as descent   | ``SelfComposed(PoissonSampled(q, Composed[G(z), G(z)]), K)`` |
+| "reuse"  | previous step's private descent gradient (DPSAT)| same as "none" (post-processing of past releases)  |
+| "random" | ``N(0, I)`` direction (ablation)                | same as "none" (uses no data)                      |
+
+Formal guarantee:
+  The released parameters after K steps are post-processing of the listed Gaussian queries, so
+  the run satisfies the DP guarantee of :func:`run_event` (noise multiplier relative to the
+  add/remove sensitivity C; a :class:`pavejax.accounting.Ledger` doubles it for replace-one).
+
+Sharp edges:
+  * In "same" mode one Poisson draw decides whether an example is in *both* queries; counting
+    it as 2K independent subsampled Gaussians (as a per-query accountant call does) under-counts
+    epsilon by a large factor. :func:`step_event` returns the composed event for this reason.
+  * Normalisation is by the expected batch size q N, never the realised one.
+  * The anchor and the weight decay see only parameters, never data: they cost no privacy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import math
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+import scipy.optimize
+from dp_accounting import dp_event
+
+from pavejax.accounting import Ledger
+from pavejax.optim import promotion_safe
+from pavejax.privacy import (
+    ClipConfig,
+    DPConfig,
+    SamplingConfig,
+    StepInfo,
+    clipped_sum,
+    gaussian_noise_like,
+    noisy_gradient,
+    take_batch,
+)
+
+PyTree = Any
+LossFn = Callable[[PyTree, PyTree, PyTree], jax.Array]
+MODES = ("none", "fresh", "same", "reuse", "random")
+_OPTIMIZERS = ("adamw", "sgd")
+_TINY = 1e-12
+
+
+@dataclasses.dataclass(frozen=True)
+class MergeTrainConfig:
+    """Hyper-parameters of DP(-SAM) fine-tuning; defaults follow the DP-Merging paper.
+
+    Attributes:
+      dataset_size: N, number of private training examples of the task (public).
+      steps: K, number of optimiser steps.
+      mode: ascent mode, one of ``MODES`` (see the module docstring).
+      noise_multiplier: z (std / C); ``None`` means calibrate it to ``target_epsilon``.
+      target_epsilon: the budget at ``delta`` when ``noise_multiplier`` is ``None``
+        (``math.inf`` trains without noise).
+      delta: the delta of the guarantee.
+      l2_clip: per-example clip norm C (joint over all trainable leaves).
+      batch_size: expected Poisson batch size (q = batch_size / dataset_size).
+      learning_rate, weight_decay, b1, b2, eps: AdamW (``optimizer="adamw"``) or SGD (lr only).
+      rho: SAM radius (global L2 norm of the perturbation).
+      anchor: lambda of the anchor lambda * ||w - w0||^2 (0 disables it).
+      relation: ``"add_remove"`` or ``"replace_one"`` neighbouring.
+      accountant: ``"rdp"`` (default; analyses the composed "same" event) or ``"pld"``.
+    """
+
+    dataset_size: int
+    steps: int
+    mode: str = "same"
+    noise_multiplier: float | None = None
+    target_epsilon: float | None = None
+    delta: float = 1e-5
+    l2_clip: float = 0.2
+    batch_size: int = 16
+    learning_rate: float = 1e-5
+    weight_decay: float = 1e-2
+    b1: float = 0.9
+    b2: float = 0.999
+    eps: float = 1e-8
+    rho: float = 0.05
+    anchor: float = 0.05
+    optimizer: str = "adamw"
+    relation: str = "add_remove"
+    accountant: str = "rdp"
+
+    def __post_init__(self):
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}.")
+        if self.optimizer not in _OPTIMIZERS:
+            raise ValueError(f"optimizer must be one of {_OPTIMIZERS}, got {self.optimizer!r}.")
+        for name in ("dataset_size", "steps", "batch_size"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{name} must be a positive int, got {v!r}.")
+        if self.batch_size > self.dataset_size:
+            raise ValueError(f"batch_size ({self.batch_size}) must not exceed dataset_size "
+                             f"({self.dataset_size}).")
+        for name in ("learning_rate", "weight_decay", "rho", "anchor"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+                raise ValueError(f"{name} must be a finite number >= 0, got {v!r}.")
+        if (self.noise_multiplier is None) == (self.target_epsilon is None):
+            raise ValueError("give exactly one of noise_multiplier (z) or target_epsilon "
+                             "(z is then calibrated for this mode).")
+        if self.target_epsilon is not None and not self.target_epsilon > 0:
+            raise ValueError(f"target_epsilon must be > 0 (math.inf for no noise), got "
+                             f"{self.target_epsilon!r}.")
+        if not 0 < self.delta < 1:
+            raise ValueError(f"delta must be in (0, 1), got {self.delta!r}.")
+
+    @property
+    def q(self) -> float:
+        """Poisson sampling rate."""
+        return self.batch_size / self.dataset_size
+
+    @functools.cached_property
+    def sigma(self) -> float:
+        """The noise multiplier z actually used (calibrated once if a target epsilon is given)."""
+        if self.noise_multiplier is not None:
+            return float(self.noise_multiplier)
+        if math.isinf(self.target_epsilon):
+            return 0.0
+        return calibrate_mode_noise(self.target_epsilon, self.delta, mode=self.mode, q=self.q,
+                                    steps=self.steps, relation=self.relation,
+                                    accountant=self.accountant)
+
+    def dp_config(self) -> DPConfig:
+        """The per-query :class:`DPConfig` (Poisson sampling at rate q)."""
+        return DPConfig(self.l2_clip, self.sigma,
+                        SamplingConfig("poisson", self.dataset_size, self.batch_size),
+                        relation=self.relation)
+
+
+def step_event(mode: str, noise_multiplier: float, q: float) -> dp_event.DpEvent:
+    """The ``DpEvent`` of one step in ``mode`` (z relative to the add/remove sensitivity)."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}.")
+    if not 0 < q <= 1:
+        raise ValueError(f"q must be in (0, 1], got {q!r}.")
+    if noise_multiplier == 0:
+        return dp_event.NonPrivateDpEvent()
+    g = dp_event.GaussianDpEvent(float(noise_multiplier))
+    if mode == "same":
+        inner = dp_event.ComposedDpEvent([g, g])
+        return inner if q == 1 else dp_event.PoissonSampledDpEvent(q, inner)
+    one = g if q == 1 else dp_event.PoissonSampledDpEvent(q, g)
+    return dp_event.SelfComposedDpEvent(one, 2) if mode == "fresh" else one
+
+
+def run_event(mode: str, noise_multiplier: float, q: float, steps: int) -> dp_event.DpEvent:
+    """The ``DpEvent`` of a whole run of ``steps`` steps (see the module table)."""
+    return dp_event.SelfComposedDpEvent(step_event(mode, noise_multiplier, q), int(steps))
+
+
+def mode_epsilon(mode: str, noise_multiplier: float, q: float, steps: int, delta: float, *,
+                 relation: str = "add_remove", accountant: str = "rdp") -> float:
+    """Epsilon at ``delta`` of a run, from a fresh :class:`Ledger`."""
+    ledger = Ledger(relation, accountant=accountant)
+    ledger.record(step_event(mode, noise_multiplier, q), count=int(steps))
+    return ledger.epsilon(delta)
+
+
+@functools.lru_cache(maxsize=256)
+def calibrate_mode_noise(target_epsilon: float, delta: float, *, mode: str, q: float,
+                         steps: int, relation: str = "add_remove",
+                         accountant: str = "rdp") -> float:
+    """Smallest z (to relative 1e-3) whose run event in ``mode`` meets (target_epsilon, delta).
+
+    The returned z never exceeds the budget under the chosen accountant: the root of
+    ``log eps(z) = log target`` is found by Brent's method (few accountant calls, each of
+    which is slow for short runs) and then nudged up until it is feasible.
+    """
+    if not target_epsilon > 0 or math.isinf(target_epsilon):
+        raise ValueError(f"target_epsilon must be finite and > 0, got {target_epsilon!r}.")
+    memo: dict[float, float] = {}
+
+    def eps(z: float) -> float:
+        if z not in memo:
+            # Tiny z makes RDP's fractional-order series diverge; those orders are dropped
+            # (the bound stays valid) and the library's warnings would only alarm the user.
+            logger = logging.getLogger("absl")
+            level = logger.level
+            logger.setLevel(logging.ERROR)
+            try:
+                memo[z] = mode_epsilon(mode, z, q, steps, delta, relation=relation,
+                                       accountant=accountant)
+            finally:
+                logger.setLevel(level)
+        return memo[z]
+
+    lo, hi = 0.05, 1.0
+    while eps(hi) > target_epsilon:
+        lo, hi = hi, 2 * hi
+        if hi > 1e4:
+            raise ValueError(f"no noise multiplier <= 1e4 reaches epsilon={target_epsilon}; "
+                             "raise the budget or lower the number of steps.")
+    if eps(lo) <= target_epsilon:
+        return lo
+    log_t = math.log(target_epsilon)
+
+    def gap(log_z: float) -> float:
+        # eps may be inf (tiny z) or 0 (huge z) at a bracket end: clamp so the log is finite.
+        return math.log(min(max(eps(math.exp(log_z)), 1e-300), 1e300)) - log_t
+
+    root = scipy.optimize.brentq(gap, math.log(lo), math.log(hi), xtol=1e-4, rtol=1e-6)
+    z = min(math.exp(root) * (1 + 2e-4), hi)
+    while eps(z) > target_epsilon:
+        z = min(z * (1 + 2e-4), hi)
+    return z
+
+
+# ------------------------------------------------------------------ pure pieces of a step
+
+
+def global_norm(tree: PyTree) -> jax.Array:
+    """Joint L2 norm over all leaves (float32 scalar)."""
+    return jnp.sqrt(sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree.leaves(tree)))
+
+
+def ascent_perturbation(direction: PyTree, rho: float) -> PyTree:
+    """``rho * a / (||a|| + 1e-12)``: norm ``rho`` (0 when ``a`` is 0), same structure as ``a``."""
+    scale = jnp.float32(rho) / (global_norm(direction) + jnp.float32(_TINY))
+    return jax.tree.map(lambda a: (a.astype(jnp.float32) * scale).astype(a.dtype), direction)
+
+
+def anchor_gradient(params: PyTree, anchor_params: PyTree,
+                    strength: float | jax.Array) -> PyTree:
+    """Gradient ``2 * strength * (w - w0)`` of the anchor ``strength * ||w - w0||^2``.
+
+    ``strength`` may be a traced scalar (one compilation for several anchors).
+    """
+    c = jnp.float32(2.0) * jnp.asarray(strength, jnp.float32)
+    return jax.tree.map(lambda w, w0: (w - w0) * c.astype(w.dtype), params, anchor_params)
+
+
+def tree_add(a: PyTree, b: PyTree) -> PyTree:
+    """Leafwise ``a + b``."""
+    return jax.tree.map(lambda x, y: x + y.astype(x.dtype), a, b)
+
+
+def make_optimizer(cfg: MergeTrainConfig) -> optax.GradientTransformation:
+    """AdamW (decoupled weight decay toward 0) or plain SGD, promotion-safe."""
+    if cfg.optimizer == "sgd":
+        return promotion_safe(optax.sgd(cfg.learning_rate))
+    return promotion_safe(optax.adamw(cfg.learning_rate, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
+                                      weight_decay=cfg.weight_decay))
+
+
+class TrainState(NamedTuple):
+    """Everything a step carries: parameters, optimiser state, last private gradient (reuse)."""
+
+    params: PyTree
+    opt_state: Any
+    prev_grad: PyTree
+
+
+class StepStats(NamedTuple):
+    """Local per-step statistics (not privatised: do not release them)."""
+
+    loss: jax.Array
+    num_clipped: jax.Array
+    num_nonfinite: jax.Array
+
+
+def init_state(params: PyTree, cfg: MergeTrainConfig) -> TrainState:
+    """Initial :class:`TrainState` (zero previous gradient: the first "reuse" step has e = 0)."""
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    return TrainState(params, make_optimizer(cfg).init(params), zeros)
+
+
+def _private_mean(loss_fn: LossFn, w: PyTree, frozen: PyTree, batch: PyTree, mask: jax.Array,
+                  key: jax.Array, cfg: MergeTrainConfig, sigma: jax.Array | None):
+    if sigma is None:
+        return noisy_gradient(loss_fn, w, frozen, batch, mask, key, cfg.dp_config())
+    # Traced multiplier (one compilation for many budgets): same mechanism as privatize_sum.
+    r = clipped_sum(loss_fn, w, frozen, batch, mask, ClipConfig(cfg.l2_clip))
+    std = jnp.asarray(sigma, jnp.float32) * jnp.float32(cfg.l2_clip)
+    noise = gaussian_noise_like(key, r.grad_sum, 1.0)
+    inv = jnp.float32(1.0 / cfg.batch_size)
+    grad = jax.tree.map(lambda s, n: (s + n * std.astype(s.dtype)) * inv.astype(s.dtype),
+                        r.grad_sum, noise)
+    return grad, StepInfo(r.losses, r.norms, mask, r.num_clipped, r.num_nonfinite)
+
+
+def dp_sam_step(loss_fn: LossFn, cfg: MergeTrainConfig, state: TrainState, frozen: PyTree,
+                anchor_params: PyTree, batch: PyTree, mask: jax.Array, ascent_batch: PyTree,
+                ascent_mask: jax.Array, key: jax.Array,
+                sigma: jax.Array | None = None,
+                anchor: jax.Array | None = None) -> tuple[TrainState, StepStats]:
+    """One pure, jittable step (see the module docstring); batches are padded with masks.
+
+    ``ascent_batch``/``ascent_mask`` are used only in "fresh" mode (pass the descent batch
+    otherwise). ``anchor_params`` is w0 (same structure as ``state.params``). ``sigma``
+    overrides ``cfg.sigma`` with a traced multiplier (one compilation for several budgets);
+    the caller must then account with ``step_event(cfg.mode, sigma, cfg.q)`` itself.
+    ``anchor`` likewise overrides ``cfg.anchor`` with a traced lambda (it costs no privacy).
+    """
+    k_asc, k_desc = jax.random.split(key)
+    w = state.params
+    if cfg.mode in ("same", "fresh"):
+        b, m = (ascent_batch, ascent_mask) if cfg.mode == "fresh" else (batch, mask)
+        direction, _ = _private_mean(loss_fn, w, frozen, b, m, k_asc, cfg, sigma)
+    elif cfg.mode == "reuse":
+        direction = state.prev_grad
+    elif cfg.mode == "random":
+        leaves, treedef = jax.tree.flatten(w)
+        direction = jax.tree.unflatten(treedef, [
+            jax.random.normal(jax.random.fold_in(k_asc, i), x.shape, jnp.float32).astype(x.dtype)
+            for i, x in enumerate(leaves)])
+    if cfg.mode == "none" or cfg.rho == 0:
+        w_eval = w
+    else:
+        w_eval = tree_add(w, ascent_perturbation(direction, cfg.rho))
+    grad, info = _private_mean(loss_fn, w_eval, frozen, batch, mask, k_desc, cfg, sigma)
+    if anchor is not None or cfg.anchor:
+        strength = cfg.anchor if anchor is None else anchor
+        total = tree_add(grad, anchor_gradient(w, anchor_params, strength))
+    else:
+        total = grad
+    updates, opt_state = make_optimizer(cfg).update(total, state.opt_state, w)
+    new = TrainState(optax.apply_updates(w, updates), opt_state, grad)
+    mf = mask.astype(jnp.float32)
+    loss = jnp.sum(jnp.where(mask, info.losses, 0.0)) / jnp.maximum(jnp.sum(mf), 1.0)
+    return new, StepStats(loss, info.num_clipped, info.num_nonfinite)
+
+
+def _shape_config(cfg: MergeTrainConfig) -> MergeTrainConfig:
+    """``cfg`` with the fields the step receives traced (z, lambda) or never reads (K) fixed."""
+    return dataclasses.replace(cfg, noise_multiplier=1.0, target_epsilon=None, steps=1,
+                               anchor=1.0)
+
+
+@functools.lru_cache(maxsize=32)
+def _compiled_step(loss_fn: LossFn, cfg: MergeTrainConfig):
+    # Runs that differ only in budget, anchor or length share one compilation.
+    return jax.jit(functools.partial(dp_sam_step, loss_fn, cfg))
+
+
+class TrainResult(NamedTuple):
+    """Outcome of :func:`train_task`: final parameters, the run's ledger, mean loss per step."""
+
+    params: PyTree
+    ledger: Ledger
+    losses: list[float]
+
+
+def train_task(loss_fn: LossFn, params: PyTree, frozen: PyTree, data: PyTree, key: jax.Array,
+               cfg: MergeTrainConfig, *, anchor_params: PyTree | None = None,
+               callback: Callable[[int, TrainState], None] | None = None) -> TrainResult:
+    """Fine-tunes ``params`` on ``data`` (leaves with leading axis N) for ``cfg.steps`` steps.
+
+    ``params`` may be full weights or LoRA factors (any pytree the loss differentiates).
+    ``anchor_params`` defaults to the initial ``params`` (w0). The returned ledger holds
+    :func:`step_event` times ``cfg.steps`` (label ``"dp-merging/<mode>"``), so
+    ``result.ledger.epsilon(cfg.delta)`` is the run's guarantee. Raises ``ValueError`` if a
+    real example produced a non-finite loss or gradient.
+    """
+    n = jax.tree.leaves(data)[0].shape[0]
+    if n != cfg.dataset_size:
+        raise ValueError(f"data has {n} examples but cfg.dataset_size={cfg.dataset_size}; the "
+                         "sampling rate depends on it, so rebuild the config for this data.")
+    anchor_params = params if anchor_params is None else anchor_params
+    sampling = cfg.dp_config().sampling
+    step = _compiled_step(loss_fn, _shape_config(cfg))
+    sigma, anchor = jnp.float32(cfg.sigma), jnp.float32(cfg.anchor)
+    ledger = Ledger(cfg.relation, accountant=cfg.accountant)
+    event = step_event(cfg.mode, cfg.sigma, cfg.q)
+    state, losses = init_state(params, cfg), []
+    for k in range(cfg.steps):
+        key, k_s1, k_s2, k_step = jax.random.split(key, 4)
+        idx, mask = sampling.sample(k_s1)
+        batch = take_batch(data, idx)
+        if cfg.mode == "fresh":
+            idx2, mask2 = sampling.sample(k_s2)
+            batch2 = take_batch(data, idx2)
+        else:
+            batch2, mask2 = batch, mask
+        state, stats = step(state, frozen, anchor_params, batch, mask, batch2, mask2, k_step,
+                            sigma, anchor)
+        if int(stats.num_nonfinite):
+            raise ValueError(f"step {k}: {int(stats.num_nonfinite)} example(s) gave a NaN/Inf "
+                             "loss or gradient; check the inputs and lower the learning rate.")
+        losses.append(float(stats.loss))
+        if callback is not None:
+            callback(k, state)
+    # One entry of count K: composes identically to K entries and is K times cheaper to query.
+    ledger.record(event, count=cfg.steps, label=f"dp-merging/{cfg.mode}")
+    return TrainResult(state.params, ledger, losses)
