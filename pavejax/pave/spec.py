@@ -1,0 +1,543 @@
+"""PAVE specifications: train only the ``B`` factors of a shared backbone, release ``B``.
+
+Model side (a developer's model ``h``): fit ``B`` so that ``g(f(x; W + s A B))`` reproduces the
+model's own predictions ``h(x)`` on the developer's inputs (soft targets by default, hard argmax
+as an option); the data labels are not used, so the spec encodes the model's *quality*. User
+side: the same with the user's few-shot labels. ``g`` maps backbone outputs to the task's label
+space (see :func:`label_space_head` for a public, label-name keyed choice). The spec is the
+concatenation of the trained ``B`` blocks in sorted path order (float32); identification ranks
+models by ``cos(B_model, B_user)``.
+
+Two mechanisms share one code path (:func:`generate_spec`):
+
+* non-private (``config.privacy is None``): minibatch Adam (or SGD) on the mean loss. No
+  formal guarantee; with a secret ``A`` and a trajectory that does not depend on ``A`` (one
+  full-batch SGD step) the intrinsic sketch analysis of :mod:`pavejax.accounting.sketch` may
+  apply, which :attr:`SpecResult.trajectory_independent_of_A` reports.
+* **DP-S-PAVE** (``config.privacy`` set; Algorithm 1 of the PAVE privacy paper): per-example
+  gradients with respect to ``B`` only, **joint** L2 clipping over all layers to ``C``, Gaussian
+  noise ``sigma C`` added once to the clipped sum, Poisson (or fixed-size, or full-batch)
+  sampling, normalisation by the expected batch size, then the optimiser (post-processing).
+  Guarantee: (epsilon, delta)-DP of the released ``B`` (and everything computed from it:
+  cosines, rankings, merged or reused models) with respect to replacing one example of the
+  spec data (sensitivity ``2C``, Theorem 3.9), accounted by dp-accounting over the ``T`` steps;
+  the add/remove epsilon is reported too. ``target_epsilon`` calibrates ``sigma``.
+
+Sharp edges: ``A`` must be the dock's secret (from its key); never release ``A`` or the key
+(:attr:`SpecResult.A` exists so the caller can merge or audit locally). Per-layer clipping is
+offered for comparison with the paper's pseudo-code; its sensitivity is ``C sqrt(L)`` and is
+accounted as such.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import math
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from tqdm.auto import tqdm
+
+from pavejax import lora
+from pavejax.accounting import Ledger, calibrate_noise
+from pavejax.optim import promotion_safe
+from pavejax.pave.types import PaveSpec, SpecSignature
+from pavejax.privacy import DPConfig, DPGradient, SamplingConfig
+
+__all__ = [
+    "PRESETS",
+    "Backbone",
+    "PrivacyConfig",
+    "SpecConfig",
+    "SpecResult",
+    "backbone_hash",
+    "generate_spec",
+    "hard_targets",
+    "label_space_head",
+    "model_spec",
+    "soft_targets",
+    "spec_signature",
+    "user_spec",
+]
+
+PyTree = Any
+LogitsFn = Callable[[PyTree, Mapping[str, jax.Array], PyTree], jax.Array]
+
+
+class Backbone(NamedTuple):
+    """The shared backbone a spec is trained on: a public name, its params and their hash."""
+
+    id: str
+    params: PyTree
+    hash: str
+
+
+def backbone_hash(params: PyTree) -> str:
+    """sha256 (hex) over every leaf's path, dtype, shape and bytes, in sorted path order."""
+    h = hashlib.sha256(b"pavejax.backbone.v1")
+    for path, leaf in sorted(lora.named_leaves(params).items()):
+        a = np.asarray(leaf)
+        h.update(f"{path}|{a.dtype.str}|{a.shape}\n".encode())
+        h.update(np.ascontiguousarray(a).tobytes())
+    return h.hexdigest()
+
+
+def _positive(name: str, value: Any, *, integer: bool = False, allow_zero: bool = False) -> None:
+    ok_type = (isinstance(value, int) if integer else isinstance(value, int | float))
+    if isinstance(value, bool) or not ok_type or not math.isfinite(value) or \
+            (value < 0 if allow_zero else value <= 0):
+        kind = "an int" if integer else "a finite number"
+        raise ValueError(f"{name} must be {kind} {'>= 0' if allow_zero else '> 0'}, "
+                         f"got {value!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class PrivacyConfig:
+    """DP-S-PAVE settings. Give exactly one of ``noise_multiplier`` and ``target_epsilon``.
+
+    Attributes:
+      l2_clip: C, the joint L2 clip of each example's gradient with respect to all ``B`` blocks.
+      noise_multiplier: sigma; the noise std is ``sigma * C`` (Algorithm 1).
+      target_epsilon: calibrate sigma so that the whole run meets (target_epsilon, delta) under
+        replace-one neighbouring (the paper's relation).
+      delta: the delta of the guarantee (default 1e-5; must be < 1/n to be meaningful).
+      sampling: ``"poisson"`` (default), ``"fixed"`` (sampling without replacement) or
+        ``"full"`` (q = 1, the closed form of Theorem 3.9).
+      clipping: ``"joint"`` (default) or ``"per_layer"`` (sensitivity ``C sqrt(L)``).
+      accountant: ``"pld"`` (default) or ``"rdp"``. dp-accounting's RDP has no analysis of
+        Poisson sampling under replace-one neighbouring, so RDP needs ``sampling="fixed"`` or
+        ``"full"``.
+      microbatch_size: examples per vmapped chunk (memory), None for all at once.
+    """
+
+    l2_clip: float = 1.0
+    noise_multiplier: float | None = None
+    target_epsilon: float | None = None
+    delta: float = 1e-5
+    sampling: str = "poisson"
+    clipping: str = "joint"
+    accountant: str = "pld"
+    microbatch_size: int | None = None
+
+    def __post_init__(self) -> None:
+        _positive("l2_clip", self.l2_clip)
+        if (self.noise_multiplier is None) == (self.target_epsilon is None):
+            raise ValueError("give exactly one of noise_multiplier and target_epsilon, e.g. "
+                             "PrivacyConfig(target_epsilon=4.0)")
+        if self.noise_multiplier is not None:
+            _positive("noise_multiplier", self.noise_multiplier)
+        if self.target_epsilon is not None:
+            _positive("target_epsilon", self.target_epsilon)
+        if not isinstance(self.delta, float | int) or not 0.0 < self.delta < 1.0:
+            raise ValueError(f"delta must be in (0, 1), got {self.delta!r}; use e.g. 1e-5 "
+                             f"(below 1/n)")
+        if self.sampling not in ("poisson", "fixed", "full"):
+            raise ValueError(f"sampling must be 'poisson', 'fixed' or 'full', "
+                             f"got {self.sampling!r}")
+        if self.clipping not in ("joint", "per_layer"):
+            raise ValueError(f"clipping must be 'joint' or 'per_layer', got {self.clipping!r}")
+        if self.accountant not in ("rdp", "pld"):
+            raise ValueError(f"accountant must be 'rdp' or 'pld', got {self.accountant!r}")
+        if self.accountant == "rdp" and self.sampling == "poisson":
+            raise ValueError("the RDP accountant cannot analyse Poisson sampling under "
+                             "replace-one neighbouring: use accountant='pld' (default) or "
+                             "sampling='fixed'")
+        if self.microbatch_size is not None:
+            _positive("microbatch_size", self.microbatch_size, integer=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class SpecConfig:
+    """How a spec is trained. Defaults are the ``"pave"`` preset (see :data:`PRESETS`).
+
+    Attributes:
+      rank: LoRA rank r of every adapted leaf.
+      a_init: ``"gaussian"`` (A ~ N(0, 1/r), the privacy paper) or ``"kaiming_uniform"``.
+      alpha: LoRA scale numerator (None: alpha = r, scale 1).
+      steps: optimiser steps T.
+      batch_size: examples per step (expected size under Poisson sampling). Capped at n.
+      learning_rate, optimizer (``"adam"``/``"adamw"``/``"sgd"``), weight_decay (adamw).
+      l1: weight of ``sum_l |B_l|_1 / L`` (the learnware package's penalty; 0 = off). It uses no
+        data, so it is added after privatisation.
+      fit_target: model side, ``"soft"`` (softmax(h(x)/T), default) or ``"hard"`` (argmax).
+      temperature: T of the soft targets.
+      layer_scaling: ``"none"`` or ``"fan_in"`` (multiply layer l's block by sqrt(d_in/r), so
+        that with Gaussian A the cosine weighs layers as cos(BA, B'A) does; post-processing).
+      seed: batch order (non-private) / sampling and noise (private). Not secret.
+      privacy: None (non-private) or a :class:`PrivacyConfig` (DP-S-PAVE).
+      progress: show a progress bar.
+    """
+
+    rank: int = 8
+    a_init: str = "gaussian"
+    alpha: float | None = None
+    steps: int = 100
+    batch_size: int = 32
+    learning_rate: float = 1e-3
+    optimizer: str = "adam"
+    weight_decay: float = 0.0
+    l1: float = 0.0
+    fit_target: str = "soft"
+    temperature: float = 1.0
+    layer_scaling: str = "none"
+    seed: int = 0
+    privacy: PrivacyConfig | None = None
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        lora.LoraConfig(self.rank, self.alpha, self.a_init)  # validates rank, alpha, init
+        _positive("steps", self.steps, integer=True)
+        _positive("batch_size", self.batch_size, integer=True)
+        _positive("learning_rate", self.learning_rate)
+        _positive("weight_decay", self.weight_decay, allow_zero=True)
+        _positive("l1", self.l1, allow_zero=True)
+        _positive("temperature", self.temperature)
+        if self.optimizer not in ("adam", "adamw", "sgd"):
+            raise ValueError(f"optimizer must be 'adam', 'adamw' or 'sgd', got "
+                             f"{self.optimizer!r}")
+        if self.fit_target not in ("soft", "hard"):
+            raise ValueError(f"fit_target must be 'soft' or 'hard', got {self.fit_target!r}")
+        if self.layer_scaling not in ("none", "fan_in"):
+            raise ValueError(f"layer_scaling must be 'none' or 'fan_in', got "
+                             f"{self.layer_scaling!r}")
+        if self.privacy is not None and not isinstance(self.privacy, PrivacyConfig):
+            raise TypeError("privacy must be a PrivacyConfig or None")
+
+    @classmethod
+    def preset(cls, name: str, **overrides: Any) -> SpecConfig:
+        """A named preset from :data:`PRESETS`, with keyword overrides."""
+        if name not in PRESETS:
+            raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
+        return dataclasses.replace(PRESETS[name], **overrides)
+
+    @property
+    def lora(self) -> lora.LoraConfig:
+        return lora.LoraConfig(self.rank, self.alpha, self.a_init)
+
+
+PRESETS: dict[str, SpecConfig] = {
+    # B-only Adam for a few hundred steps: a choice for classification backbones (the ICLR
+    # paper's exact values are unknown).
+    "pave": SpecConfig(),
+    # the learnware package's GenerativeModelSpecification (r=16, alpha=32, PEFT's A, AdamW
+    # lr 1e-5, wd 0.5, L1 1/#tensors, 400 steps, batch 2); needs many steps to move B.
+    "learnware_llm": SpecConfig(rank=16, alpha=32.0, a_init="kaiming_uniform", steps=400,
+                                batch_size=2, learning_rate=1e-5, optimizer="adamw",
+                                weight_decay=0.5, l1=1.0),
+    # one full-batch gradient step: B is a Gaussian sketch of the full fine-tuning gradient
+    # (the NTK view), and the trajectory does not depend on A.
+    "one_step": SpecConfig(steps=1, batch_size=2**31 - 1, optimizer="sgd", learning_rate=1.0),
+    # a cheap setting for CPUs and tests.
+    "quick": SpecConfig(steps=30, batch_size=16, learning_rate=3e-3),
+}
+
+
+class SpecResult(NamedTuple):
+    """What :func:`generate_spec` returns.
+
+    ``spec`` is the release. ``B`` (dict path -> (r, d_out)) and ``A`` are for local use
+    (merging, audits); ``A`` is secret. ``ledger`` is None for non-private specs. ``losses``
+    holds the mean training loss per step (non-private) or the mean clipped-batch loss.
+    """
+
+    spec: PaveSpec
+    B: dict[str, jax.Array]
+    A: dict[str, jax.Array]
+    ledger: Ledger | None
+    ledger_add_remove: Ledger | None
+    losses: np.ndarray
+    trajectory_independent_of_A: bool
+
+
+def soft_targets(logits: np.ndarray, temperature: float = 1.0) -> np.ndarray:
+    """softmax(logits / T) as float32 (n, k): the model-side targets."""
+    z = np.asarray(logits, np.float64) / float(temperature)
+    if z.ndim != 2 or not np.isfinite(z).all():
+        raise ValueError(f"model logits must be a finite (n, k) array, got shape {z.shape}")
+    z = np.exp(z - z.max(axis=1, keepdims=True))
+    return (z / z.sum(axis=1, keepdims=True)).astype(np.float32)
+
+
+def hard_targets(labels: np.ndarray, num_classes: int) -> np.ndarray:
+    """One-hot float32 (n, num_classes) of integer labels (or of argmax of logits if 2-D)."""
+    y = np.asarray(labels)
+    if y.ndim == 2:
+        y = np.argmax(y, axis=1)
+    if y.ndim != 1 or not np.issubdtype(y.dtype, np.integer):
+        raise ValueError(f"labels must be integers (n,), got dtype {y.dtype} shape {y.shape}")
+    if y.size and (y.min() < 0 or y.max() >= num_classes):
+        raise ValueError(f"labels must lie in [0, {num_classes}), got range "
+                         f"[{y.min()}, {y.max()}]")
+    return np.eye(num_classes, dtype=np.float32)[y]
+
+
+def label_space_head(hidden: int, class_names: tuple[str, ...] | list[str],
+                     seed: int = 0) -> np.ndarray:
+    """The public mapping g: a (hidden, k) float32 kernel whose column for class ``c`` depends
+    only on (``c``, ``seed``, ``hidden``).
+
+    Keyed by label *name*, so tasks that share classes share columns, and specs of tasks with
+    different label spaces still live in one parameter space (the backbone's ``B``). Columns are
+    i.i.d. U(-sqrt(3/hidden), sqrt(3/hidden)), as :func:`pavejax.models.public_random_projection`.
+    """
+    from pavejax.models.heads import public_random_projection
+
+    names = list(class_names)
+    if not names or len(set(names)) != len(names):
+        raise ValueError(f"class_names must be distinct and non-empty, got {names!r}")
+    cols = []
+    for name in names:
+        digest = hashlib.sha256(f"pavejax.label.v1|{seed}|{name}".encode()).digest()
+        cols.append(public_random_projection(hidden, 1, int.from_bytes(digest[:8], "big") >> 1))
+    return np.concatenate(cols, axis=1)
+
+
+def spec_signature(backbone: Backbone, B: Mapping[str, jax.Array], A: Mapping[str, jax.Array],
+                   config: SpecConfig) -> SpecSignature:
+    """The signature of specs made with these factors and config."""
+    layers = tuple(sorted(B))
+    return SpecSignature(backbone_id=backbone.id, backbone_hash=backbone.hash, rank=config.rank,
+                         layers=layers, layer_sizes=tuple(int(np.size(B[p])) for p in layers),
+                         a_hash=lora.a_hash(A), a_init=config.a_init,
+                         layer_scaling=config.layer_scaling)
+
+
+def _check_data(inputs: Mapping[str, Any], targets: np.ndarray) -> int:
+    if not isinstance(inputs, Mapping) or not inputs:
+        raise TypeError("inputs must be a non-empty dict of arrays with a leading example axis")
+    t = np.asarray(targets)
+    if t.ndim != 2 or t.shape[0] == 0 or t.shape[1] < 1:
+        raise ValueError(f"targets must be (n, k) probabilities with n >= 1, got shape {t.shape}"
+                         f"; a spec cannot be trained on empty data")
+    if not np.isfinite(t).all() or (t < 0).any() or not np.allclose(t.sum(axis=1), 1.0,
+                                                                     atol=1e-4):
+        raise ValueError("targets must be finite probability rows (non-negative, summing to 1)")
+    n = t.shape[0]
+    for name, x in inputs.items():
+        a = np.asarray(x)
+        if a.shape[:1] != (n,):
+            raise ValueError(f"inputs[{name!r}] has {a.shape[:1]} examples but targets have {n}")
+        if np.issubdtype(a.dtype, np.floating) and not np.isfinite(a).all():
+            raise ValueError(f"inputs[{name!r}] contains NaN or inf; clean the data first")
+    return n
+
+
+def _optimizer(config: SpecConfig) -> optax.GradientTransformation:
+    if config.optimizer == "sgd":
+        return promotion_safe(optax.sgd(config.learning_rate))
+    if config.optimizer == "adamw":
+        return promotion_safe(optax.adamw(config.learning_rate, weight_decay=config.weight_decay))
+    return promotion_safe(optax.adam(config.learning_rate))
+
+
+def _l1_grad(B: dict, weight: float) -> dict:
+    # d/dB of weight * sum_l |B_l|_1 / L: data-free, so it may follow privatisation.
+    scale = weight / len(B)
+    return {p: scale * jnp.sign(b) for p, b in B.items()}
+
+
+def _spec_vector(B: Mapping[str, jax.Array], A: Mapping[str, jax.Array],
+                 config: SpecConfig) -> np.ndarray:
+    blocks = []
+    for p in sorted(B):
+        b = np.asarray(B[p], np.float32).ravel()
+        if config.layer_scaling == "fan_in":
+            d_in = int(np.shape(A[p])[0])
+            b = b * np.float32(math.sqrt(d_in / config.rank))
+        blocks.append(b)
+    return np.concatenate(blocks)
+
+
+def _cross_entropy(logits: jax.Array, target: jax.Array) -> jax.Array:
+    return -jnp.sum(target * jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1), axis=-1)
+
+
+def generate_spec(logits_fn: LogitsFn, backbone: Backbone, predicate: lora.Predicate,
+                  inputs: Mapping[str, Any], targets: np.ndarray, a_key: jax.Array,
+                  config: SpecConfig = SpecConfig(), *, kind: str = "model", aux: PyTree = None,
+                  info: Mapping[str, Any] | None = None) -> SpecResult:
+    """Train ``B`` (A frozen, from ``a_key``) so that ``logits_fn`` fits ``targets``.
+
+    Args:
+      logits_fn: ``(params, batch, aux) -> (b, k)`` logits of ``g o f`` for a batch dict
+        (leaves with a leading batch axis); ``params`` is ``backbone.params`` with the LoRA
+        update applied; ``aux`` is passed through (e.g. the label-space head of ``g``). Reuse
+        one ``logits_fn`` object across calls: compiled steps are cached per function.
+      backbone: the shared backbone (see :class:`Backbone`); its hash goes into the signature.
+      predicate: ``(path, leaf) -> bool`` selecting the adapted leaves (same for every party).
+      inputs: dict of arrays, leading axis n (e.g. ``input_ids``, ``attention_mask``).
+      targets: (n, k) probabilities: :func:`soft_targets` of the model's logits (model side) or
+        :func:`hard_targets` of labels (user side).
+      a_key: the dock's secret A key (never released; only ``a_hash`` is).
+      config: a :class:`SpecConfig`; ``config.privacy`` switches to DP-S-PAVE.
+      kind: ``"model"`` or ``"user"``.
+      aux: any pytree handed to ``logits_fn`` unchanged (not trained).
+      info: extra JSON-safe facts to record in the spec (e.g. class names, data size).
+
+    Returns a :class:`SpecResult`. Raises ``ValueError`` on empty/NaN data and on training that
+    diverges (a NaN spec is never returned).
+    """
+    n = _check_data(inputs, targets)
+    data = {k: jnp.asarray(v) for k, v in inputs.items()}
+    data["__target"] = jnp.asarray(targets, jnp.float32)
+    lcfg = config.lora
+    B, A = lora.init_lora(a_key, backbone.params, predicate, lcfg)
+    frozen = (A, backbone.params, aux)
+    opt = _optimizer(config)
+    opt_state = opt.init(B)
+    key = jax.random.key(config.seed)
+    desc = f"{kind} spec" + (" (DP-S-PAVE)" if config.privacy else "")
+    bar = tqdm(range(config.steps), desc=desc, disable=not config.progress or None, leave=False)
+    losses = []
+    ledger = ledger_ar = None
+    if config.privacy is None:
+        batch_size = min(config.batch_size, n)
+        full = batch_size == n
+        grad_fn = _mean_grad(logits_fn, lcfg)
+        rng = np.random.default_rng(config.seed)
+        for _ in bar:
+            batch = data if full else jax.tree.map(
+                lambda v, i=rng.choice(n, batch_size, replace=False): v[i], data)
+            loss, grad = grad_fn(B, frozen, batch)
+            B, opt_state = _apply(B, grad, opt_state, opt, config)
+            losses.append(float(loss))
+            bar.set_postfix(loss=f"{losses[-1]:.4f}", refresh=False)
+        independent = config.optimizer == "sgd" and config.steps == 1 and full and config.l1 == 0
+    else:
+        priv = config.privacy
+        sampling, sigma, dp_grad = _dp_setup(logits_fn, lcfg, n, config)
+        ledger = Ledger("replace_one", accountant=priv.accountant)
+        # fixed-size sampling without replacement is analysed under replace-one only
+        ledger_ar = (None if sampling.kind == "fixed"
+                     else Ledger("add_remove", accountant=priv.accountant))
+        for step in bar:
+            grad, stats, event = dp_grad(B, frozen, data, jax.random.fold_in(key, step))
+            ledger.record(event, label="dp-s-pave")
+            if ledger_ar is not None:
+                ledger_ar.record(event, label="dp-s-pave")
+            B, opt_state = _apply(B, grad, opt_state, opt, config)
+            m = np.asarray(stats.mask)
+            losses.append(float(np.sum(np.asarray(stats.losses) * m) / max(m.sum(), 1)))
+            bar.set_postfix(loss=f"{losses[-1]:.4f}", refresh=False)
+        independent = False
+    vec = _spec_vector(B, A, config)
+    if not np.isfinite(vec).all():
+        raise ValueError("spec training diverged (NaN/inf in B); lower the learning rate")
+    record = dict(info or {})
+    record |= {"fit_target": config.fit_target if kind == "model" else "label",
+               "num_examples": n, "num_classes": int(np.shape(targets)[1]),
+               "config": _config_record(config)}
+    if config.privacy is not None:
+        record |= _privacy_record(config, sampling, sigma, ledger, ledger_ar)
+    else:
+        record |= {"mechanism": "pave", "guarantee": {
+            "kind": "none", "trajectory_independent_of_A": independent,
+            "note": "non-private spec; the intrinsic sketch analysis needs a secret A and a "
+                    "trajectory that does not depend on A"}}
+    spec = PaveSpec(vec, spec_signature(backbone, B, A, config), kind, record)
+    return SpecResult(spec, B, A, ledger, ledger_ar, np.asarray(losses), independent)
+
+
+def _example_losses(logits_fn: LogitsFn, lcfg: lora.LoraConfig, b: dict, frozen: tuple,
+                    batch: Mapping[str, jax.Array]) -> jax.Array:
+    A, params, aux = frozen
+    merged = lora.apply_lora(params, b, jax.lax.stop_gradient(A), lcfg)
+    x = {k: v for k, v in batch.items() if k != "__target"}
+    return _cross_entropy(logits_fn(merged, x, aux), batch["__target"])
+
+
+@functools.cache
+def _mean_grad(logits_fn: LogitsFn, lcfg: lora.LoraConfig) -> Callable:
+    def mean_loss(b, frozen, batch):
+        return jnp.mean(_example_losses(logits_fn, lcfg, b, frozen, batch))
+
+    return jax.jit(jax.value_and_grad(mean_loss))
+
+
+def _apply(B, grad, opt_state, opt, config):
+    if config.l1:
+        grad = jax.tree.map(jnp.add, grad, _l1_grad(B, config.l1))
+    updates, opt_state = opt.update(grad, opt_state, B)
+    return optax.apply_updates(B, updates), opt_state
+
+
+@functools.cache
+def _dp_gradient(logits_fn: LogitsFn, lcfg: lora.LoraConfig, dp_cfg: DPConfig) -> DPGradient:
+    def example_loss(b, frozen, ex):
+        return _example_losses(logits_fn, lcfg, b, frozen, jax.tree.map(lambda v: v[None], ex))[0]
+
+    return DPGradient(example_loss, dp_cfg)
+
+
+def _dp_setup(logits_fn: LogitsFn, lcfg: lora.LoraConfig, n: int, config: SpecConfig):
+    priv = config.privacy
+    kind = priv.sampling
+    sampling = SamplingConfig(kind, dataset_size=n, batch_size=min(config.batch_size, n))
+    if kind != "full" and sampling.batch_size == n:
+        sampling = SamplingConfig("full", dataset_size=n)
+    if priv.microbatch_size is not None and sampling.max_batch % priv.microbatch_size:
+        mb = priv.microbatch_size
+        sampling = dataclasses.replace(sampling, max_batch=-(-sampling.max_batch // mb) * mb)
+    sigma = priv.noise_multiplier
+    if sigma is None:
+        fixed = sampling.kind == "fixed"
+        sigma = calibrate_noise(priv.target_epsilon, priv.delta, q=sampling.q, steps=config.steps,
+                                sampling="fixed" if fixed else "poisson",
+                                relation="replace_one", accountant=priv.accountant,
+                                dataset_size=n if fixed else None,
+                                batch_size=sampling.batch_size if fixed else None)
+    # DPConfig's multiplier is relative to the add/remove sensitivity C (per-layer: C sqrt(L));
+    # the replace-one ledger doubles the sensitivity, i.e. noise sigma C vs sensitivity 2C.
+    dp_cfg = DPConfig(priv.l2_clip, float(sigma), sampling, relation="replace_one",
+                      clipping=priv.clipping, microbatch_size=priv.microbatch_size)
+    return sampling, float(sigma), _dp_gradient(logits_fn, lcfg, dp_cfg)
+
+
+def _config_record(config: SpecConfig) -> dict[str, Any]:
+    out = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)
+           if f.name not in ("privacy", "progress")}
+    if config.privacy is not None:
+        out["privacy"] = dataclasses.asdict(config.privacy)
+    return out
+
+
+def _privacy_record(config: SpecConfig, sampling: SamplingConfig, sigma: float,
+                    ledger: Ledger, ledger_ar: Ledger | None) -> dict[str, Any]:
+    priv = config.privacy
+    eps = ledger.epsilon(priv.delta)
+    return {"mechanism": "dp-s-pave", "noise_multiplier": sigma, "sampling_rate": sampling.q,
+            "ledger": ledger.to_dict(),
+            "guarantee": {"kind": "dp", "relation": "replace_one", "epsilon": eps,
+                          "delta": priv.delta, "epsilon_add_remove":
+                              None if ledger_ar is None else ledger_ar.epsilon(priv.delta),
+                          "accountant": priv.accountant, "clipping": priv.clipping,
+                          "conditions": ["A and its key are never released",
+                                         "per-example gradients of B clipped jointly to C"
+                                         if priv.clipping == "joint" else
+                                         "per-layer clipping, sensitivity C*sqrt(L) accounted"]}}
+
+
+def model_spec(logits_fn: LogitsFn, backbone: Backbone, predicate: lora.Predicate,
+               inputs: Mapping[str, Any], model_logits: np.ndarray, a_key: jax.Array,
+               config: SpecConfig = SpecConfig(), **kwargs: Any) -> SpecResult:
+    """Developer side: fit the model's own predictions (``model_logits`` (n, k) on ``inputs``;
+    soft targets at ``config.temperature`` or hard argmax per ``config.fit_target``)."""
+    logits = np.asarray(model_logits)
+    targets = (soft_targets(logits, config.temperature) if config.fit_target == "soft"
+               else hard_targets(logits, logits.shape[-1]))
+    return generate_spec(logits_fn, backbone, predicate, inputs, targets, a_key, config,
+                         kind="model", **kwargs)
+
+
+def user_spec(logits_fn: LogitsFn, backbone: Backbone, predicate: lora.Predicate,
+              inputs: Mapping[str, Any], labels: np.ndarray, num_classes: int,
+              a_key: jax.Array, config: SpecConfig = SpecConfig(), **kwargs: Any) -> SpecResult:
+    """User side: fit the user's few-shot ``labels`` (n,) ints in [0, num_classes)."""
+    return generate_spec(logits_fn, backbone, predicate, inputs,
+                         hard_targets(labels, num_classes), a_key, config, kind="user", **kwargs)
