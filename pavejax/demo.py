@@ -1,162 +1,71 @@
-"""``pavejax demo``: differentially private LoRA fine-tuning of real MiniLM on real reviews.
-
-The steps: load all-MiniLM-L6-v2 (real weights) and the movie-review sentiment task (real text),
-calibrate the noise for a target (epsilon, delta) with the accountant, train LoRA factors (secret
-A, trainable B on query/value) and a classification head with DP-SGD (Poisson sampling, joint
-per-example clipping, Gaussian noise), record every step in a ledger, and report test accuracy
-before and after with the ledger's epsilon. Numbers are computed, never hard-coded.
-"""
+"""``pavejax demo``: the private learnware lifecycle end to end (see :mod:`pavejax.lifecycle`)."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
-import math
-import time
+import os
 from pathlib import Path
 
-import jax
-import jax.numpy as jnp
-import optax
-from flax import nnx
-from tqdm.auto import tqdm
-
-from pavejax import lora, privacy
-from pavejax.accounting import Ledger, calibrate_noise
-from pavejax.optim import promotion_safe
-
-
-@dataclasses.dataclass(frozen=True)
-class DemoConfig:
-    task: str = "movie"
-    train_size: int = 2048
-    test_size: int = 512
-    seq_len: int = 48
-    batch_size: int = 64
-    steps: int = 60
-    epsilon: float = 4.0
-    l2_clip: float = 1.0
-    lora_rank: int = 8
-    learning_rate: float = 2e-3
-    seed: int = 0
+from pavejax.lifecycle import LifecycleConfig
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    d = DemoConfig()
-    p.add_argument("--task", default=d.task, help="sentiment domain (movie, amazon, nyt, tweets)")
-    p.add_argument("--epsilon", type=float, default=d.epsilon,
-                   help="privacy budget of the fine-tuning, at delta = 1/n^1.1 (n training "
-                        "examples); smaller means more noise and stronger privacy")
-    p.add_argument("--steps", type=int, default=d.steps, help="DP-SGD steps")
-    p.add_argument("--train-size", type=int, default=d.train_size,
-                   help="private training examples used")
+    d = LifecycleConfig()
+    p.description = (
+        "Four developers fine-tune task models with DP-Merging and release DP-S-PAVE specs to a "
+        "dock; a user with a small private task searches the dock, merges the top models and "
+        "adapts the result with PACZero-ZPL. Writes report.md, summary.json and plots.")
+    p.add_argument("--out", type=Path, default=Path(d.out_dir),
+                   help="output folder for report.md, summary.json, plots and the dock")
+    p.add_argument("--dock", type=Path, default=None,
+                   help="use this dock directory (created if missing; developers already in "
+                        "it are reused instead of retrained)")
+    p.add_argument("--epsilon", type=float, default=d.dev_epsilon,
+                   help="developers' DP-Merging budget: (epsilon, delta)-DP of each developer "
+                        "model with respect to adding or removing one of its training "
+                        "examples; smaller means more noise and stronger privacy")
+    p.add_argument("--spec-epsilon", type=float, default=d.spec_epsilon,
+                   help="DP-S-PAVE budget of each released spec: (epsilon, delta)-DP with "
+                        "respect to replacing one training example (the spec is also "
+                        "accounted under add/remove and composed with the model's budget)")
+    p.add_argument("--delta", type=float, default=d.delta,
+                   help="the delta of every (epsilon, delta) guarantee (keep it below 1/n)")
+    p.add_argument("--user-task", default=d.user_task,
+                   help="the user's private task (a sentiment domain no developer trained on)")
+    p.add_argument("--backend", choices=("auto", "cpu", "gpu", "tpu"), default="auto",
+                   help="JAX platform to run on (auto: the best available)")
     p.add_argument("--full", action="store_true",
-                   help="scale up: 8192 training examples, 300 steps, 64 tokens")
-    p.add_argument("--out", type=Path, default=None, help="write the report as JSON here")
+                   help="scale up: more data, longer training, all layers in the specs "
+                        "(sized for an accelerator)")
+    p.add_argument("--quick", action="store_true",
+                   help="tiny settings for a smoke test (seconds to a minute; numbers mean "
+                        "little)")
+    p.add_argument("--seed", type=int, default=d.seed, help="seed of every random choice")
 
 
-def _config(ns: argparse.Namespace) -> DemoConfig:
+def config_from_args(ns: argparse.Namespace) -> LifecycleConfig:
+    """The :class:`LifecycleConfig` the flags describe."""
+    common = dict(dev_epsilon=ns.epsilon, spec_epsilon=ns.spec_epsilon, delta=ns.delta,
+                  user_task=ns.user_task, seed=ns.seed, out_dir=str(ns.out),
+                  dock_dir=None if ns.dock is None else str(ns.dock))
     if ns.full:
-        return DemoConfig(task=ns.task, epsilon=ns.epsilon, train_size=8192, test_size=2048,
-                          seq_len=64, steps=300)
-    return DemoConfig(task=ns.task, epsilon=ns.epsilon, steps=ns.steps,
-                      train_size=ns.train_size)
-
-
-def _encode(tok, split, n):
-    t = tok(list(split.inputs[:n]))
-    return {"input_ids": jnp.asarray(t.input_ids), "attention_mask": jnp.asarray(t.attention_mask),
-            "label": jnp.asarray(split.labels[:n], jnp.int32)}
-
-
-def run_demo(cfg: DemoConfig, log=print) -> dict:
-    """Runs the demo and returns its report (also printed through ``log``)."""
-    from pavejax.data import load_task
-    from pavejax.models import TextClassifier, load_minilm
-
-    t0 = time.perf_counter()
-    encoder, tok = load_minilm(max_length=cfg.seq_len)
-    task = load_task(cfg.task, seed=cfg.seed, max_train=cfg.train_size, max_test=cfg.test_size)
-    train, test = _encode(tok, task.train, cfg.train_size), _encode(tok, task.test, cfg.test_size)
-    n = int(train["label"].shape[0])
-    model = TextClassifier(encoder, task.num_classes, rngs=nnx.Rngs(cfg.seed))
-    graphdef, state = nnx.split(model)
-    params = nnx.to_pure_dict(state)
-    lcfg = lora.LoraConfig(cfg.lora_rank)
-    B, A = lora.init_lora(jax.random.key(cfg.seed + 1), params, lambda p, _: p.endswith(
-        ("attention/query/kernel", "attention/value/kernel")), lcfg)
-
-    def merged(trainable):
-        p = dict(params)
-        p["head"] = trainable["head"]
-        return lora.apply_lora(p, trainable["B"], A, lcfg)
-
-    def example_loss(trainable, frozen, ex):
-        logits = nnx.merge(graphdef, merged(trainable))(ex["input_ids"], ex["attention_mask"])
-        return -jax.nn.log_softmax(logits)[ex["label"]]
-
-    @jax.jit
-    def predict(trainable, ids, mask):
-        return jnp.argmax(nnx.merge(graphdef, merged(trainable))(ids, mask), axis=-1)
-
-    def accuracy(trainable):
-        preds = [predict(trainable, test["input_ids"][i:i + 128], test["attention_mask"][i:i + 128])
-                 for i in range(0, test["label"].shape[0], 128)]
-        return float(jnp.mean((jnp.concatenate(preds) == test["label"]).astype(jnp.float32)))
-
-    delta = 1.0 / n ** 1.1
-    sampling = privacy.SamplingConfig("poisson", dataset_size=n, batch_size=cfg.batch_size)
-    sigma = calibrate_noise(cfg.epsilon, delta, q=sampling.q, steps=cfg.steps)
-    dp_cfg = privacy.DPConfig(cfg.l2_clip, sigma, sampling)
-    dp_grad = privacy.DPGradient(example_loss, dp_cfg)
-    trainable = {"B": B, "head": params["head"]}
-    opt = promotion_safe(optax.adam(cfg.learning_rate))
-    opt_state = opt.init(trainable)
-    ledger = Ledger("add_remove")
-    acc_before = accuracy(trainable)
-    log(f"MiniLM + LoRA r={cfg.lora_rank} on '{cfg.task}': n={n} private examples, "
-        f"{cfg.steps} DP-SGD steps, q={sampling.q:.4f}, sigma={sigma:.3f} "
-        f"(calibrated for epsilon={cfg.epsilon} at delta={delta:.2e})")
-    key = jax.random.key(cfg.seed + 2)
-    update = jax.jit(lambda g, s, t: opt.update(g, s, t))
-    for step in tqdm(range(cfg.steps), desc="DP fine-tuning", disable=None):
-        grad, info, event = dp_grad(trainable, None, train, jax.random.fold_in(key, step))
-        updates, opt_state = update(grad, opt_state, trainable)
-        trainable = optax.apply_updates(trainable, updates)
-        ledger.record(event, label="dp-lora")
-    acc_after = accuracy(trainable)
-    eps_pld, eps_rdp = ledger.epsilon(delta, "pld"), ledger.epsilon(delta, "rdp")
-    report = {
-        "task": cfg.task, "train_examples": n, "test_examples": int(test["label"].shape[0]),
-        "steps": cfg.steps, "noise_multiplier": sigma, "l2_clip": cfg.l2_clip,
-        "sampling_rate": sampling.q, "delta": delta,
-        "epsilon_pld": eps_pld, "epsilon_rdp": eps_rdp,
-        "accuracy_before": acc_before, "accuracy_after": acc_after,
-        "trainable_parameters": lora.num_parameters(B) + sum(
-            x.size for x in jax.tree.leaves(params["head"])),
-        "seconds": time.perf_counter() - t0,
-    }
-    log("")
-    log("| stage | test accuracy |")
-    log("|---|---|")
-    log(f"| MiniLM, untrained head | {acc_before:.3f} |")
-    log(f"| DP LoRA fine-tuned (epsilon={eps_pld:.2f}) | {acc_after:.3f} |")
-    log("")
-    log(f"privacy ledger: {len(ledger)} Poisson-subsampled Gaussian steps, add/remove neighbours; "
-        f"epsilon = {eps_pld:.3f} (PLD) / {eps_rdp:.3f} (RDP) at delta = {delta:.2e}; "
-        "certified (dp-accounting).")
-    log(f"finished in {report['seconds']:.0f} s")
-    if not math.isfinite(acc_after):
-        raise RuntimeError("accuracy is not finite")
-    return report
+        return LifecycleConfig.full(**common)
+    cfg = LifecycleConfig(**common)
+    if ns.quick:
+        cfg = dataclasses.replace(cfg, seq_len=16, dev_train=64, dev_test=64, user_shots=4,
+                                  user_pool=32, user_test=64, dev_steps=5, dev_batch=8,
+                                  spec_examples=16, zo_steps=4, zo_subsets=4, progress=False)
+    return cfg
 
 
 def run(ns: argparse.Namespace) -> int:
-    report = run_demo(_config(ns))
-    if ns.out is not None:
-        ns.out.parent.mkdir(parents=True, exist_ok=True)
-        ns.out.write_text(json.dumps(report, indent=2, default=float) + "\n")
+    if ns.backend != "auto":
+        os.environ["JAX_PLATFORMS"] = ns.backend
+        import jax
+
+        jax.config.update("jax_platforms", ns.backend)
+    from pavejax.lifecycle import run_lifecycle
+
+    run_lifecycle(config_from_args(ns))
     return 0
-
-

@@ -1,0 +1,109 @@
+"""``pavejax dock init|submit|search|list|show``: the dock from the command line.
+
+Specs and models travel as releases (:mod:`pavejax.release`): ``pavejax spec`` writes a spec
+release; ``submit`` reads it (and optionally a model release) and stores both in the dock.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+_PRIVACY_NOTE = (
+    "The dock keeps the secret key of A in <dock>/secret (mode 0600): lend it only to the "
+    "developers and users of this dock. Specs are compared only within one dock (same backbone, "
+    "layers, rank and A).")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.description = "Create, fill and search a learnware dock. " + _PRIVACY_NOTE
+    sub = p.add_subparsers(dest="dock_command", required=True, metavar="ACTION")
+    init = sub.add_parser("init", help="create an empty dock (and its secret A key)")
+    init.add_argument("dock", type=Path, help="dock directory to create")
+    init.add_argument("--exist-ok", action="store_true", help="open it if it already exists")
+    submit = sub.add_parser("submit", help="store a model-side spec release (and a model)")
+    submit.add_argument("dock", type=Path)
+    submit.add_argument("spec", type=Path, help="spec release directory (pavejax spec --out)")
+    submit.add_argument("--name", required=True, help="unique learnware name")
+    submit.add_argument("--model", type=Path, default=None,
+                        help="model release directory (stored with the spec for reuse)")
+    submit.add_argument("--metadata", default="{}",
+                        help='JSON metadata, e.g. \'{"classes": ["negative", "positive"]}\'')
+    search = sub.add_parser("search", help="rank the dock's learnwares for a user spec release")
+    search.add_argument("dock", type=Path)
+    search.add_argument("spec", type=Path, help="user spec release directory")
+    search.add_argument("-k", type=int, default=5, help="number of results (default 5)")
+    search.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    lst = sub.add_parser("list", help="list the learnwares in the dock")
+    lst.add_argument("dock", type=Path)
+    show = sub.add_parser("show", help="show one learnware's index record")
+    show.add_argument("dock", type=Path)
+    show.add_argument("learnware", help="id or name")
+
+
+def _open(path: Path):
+    from pavejax.pave.dock import Dock
+
+    return Dock.open(path)
+
+
+def _parse_metadata(text: str) -> dict:
+    try:
+        meta = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise SystemExit(f"--metadata is not valid JSON ({e}); pass e.g. "
+                         f"'{{\"classes\": [\"a\", \"b\"]}}'") from None
+    if not isinstance(meta, dict):
+        raise SystemExit("--metadata must be a JSON object")
+    return meta
+
+
+def run(ns: argparse.Namespace) -> int:
+    from pavejax.pave.dock import Dock
+    from pavejax.release import load_release, load_spec
+
+    action = ns.dock_command
+    if action == "init":
+        dock = Dock.create(ns.dock, exist_ok=ns.exist_ok)
+        print(f"dock ready at {ns.dock} ({len(dock)} learnwares). {_PRIVACY_NOTE}")
+        return 0
+    dock = _open(ns.dock)
+    if action == "submit":
+        spec = load_spec(ns.spec)
+        model = None
+        meta = _parse_metadata(ns.metadata)
+        if ns.model is not None:
+            model, model_meta = load_release(ns.model, expect_backbone_hash=None)
+            meta.setdefault("model_release", model_meta.to_dict())
+        i = dock.submit(spec, name=ns.name, model=model, metadata=meta)
+        print(f"submitted {ns.name!r} as id {i}")
+    elif action == "search":
+        res = dock.search(load_spec(ns.spec), k=ns.k)
+        rows = [{"rank": r + 1, "id": i, "name": n, "cosine": float(c), "score": float(s)}
+                for r, (i, n, c, s) in enumerate(zip(res.ids, res.names, res.cosines,
+                                                     res.scores, strict=True))]
+        if ns.json:
+            print(json.dumps(rows, indent=2))
+        else:
+            print("| rank | id | name | cosine | score |\n|---|---|---|---|---|")
+            for r in rows:
+                print(f"| {r['rank']} | {r['id']} | {r['name']} | {r['cosine']:.4f} | "
+                      f"{r['score']:.4f} |")
+    elif action == "list":
+        print("| id | name | rank | layers | guarantee | model |\n|---|---|---|---|---|---|")
+        for e in dock.list():
+            g = e.spec_info.get("guarantee", {})
+            eps = g.get("epsilon")
+            kind = g.get("kind", "?") + (f" eps={eps:.3g}" if isinstance(eps, float) else "")
+            print(f"| {e.id} | {e.name} | {e.rank} | {len(e.layers)} | {kind} | "
+                  f"{'yes' if e.has_model else 'no'} |")
+    elif action == "show":
+        key = int(ns.learnware) if ns.learnware.isdigit() else ns.learnware
+        e = dock.get(key)
+        print(json.dumps({"id": e.id, "name": e.name, "metadata": dict(e.metadata),
+                          "backbone_id": e.backbone_id, "backbone_hash": e.backbone_hash,
+                          "rank": e.rank, "layers": list(e.layers), "a_hash": e.a_hash,
+                          "spec_info": dict(e.spec_info), "has_model": e.has_model,
+                          "created": e.created}, indent=2, default=str))
+    return 0
