@@ -48,6 +48,15 @@ import scipy.optimize
 from dp_accounting import dp_event
 
 from pavejax.accounting import Ledger
+from pavejax.checkpointing import (
+    Checkpoint,
+    TrainCheckpointer,
+    enforce_budget,
+    resolve_budget,
+    run_record,
+    tree_fingerprint,
+)
+from pavejax.distributed import pad_batch
 from pavejax.optim import promotion_safe
 from pavejax.privacy import (
     ClipConfig,
@@ -55,8 +64,10 @@ from pavejax.privacy import (
     SamplingConfig,
     StepInfo,
     clipped_sum,
+    data_parallel_clipped_sum,
     gaussian_noise_like,
     noisy_gradient,
+    replicate,
     take_batch,
 )
 
@@ -293,11 +304,15 @@ def init_state(params: PyTree, cfg: MergeTrainConfig) -> TrainState:
 
 
 def _private_mean(loss_fn: LossFn, w: PyTree, frozen: PyTree, batch: PyTree, mask: jax.Array,
-                  key: jax.Array, cfg: MergeTrainConfig, sigma: jax.Array | None):
+                  key: jax.Array, cfg: MergeTrainConfig, sigma: jax.Array | None, mesh=None):
     if sigma is None:
-        return noisy_gradient(loss_fn, w, frozen, batch, mask, key, cfg.dp_config())
+        return noisy_gradient(loss_fn, w, frozen, batch, mask, key, cfg.dp_config(), mesh=mesh)
     # Traced multiplier (one compilation for many budgets): same mechanism as privatize_sum.
-    r = clipped_sum(loss_fn, w, frozen, batch, mask, ClipConfig(cfg.l2_clip))
+    if mesh is None:
+        r = clipped_sum(loss_fn, w, frozen, batch, mask, ClipConfig(cfg.l2_clip))
+    else:
+        r = data_parallel_clipped_sum(loss_fn, w, frozen, batch, mask, ClipConfig(cfg.l2_clip),
+                                      mesh)
     std = jnp.asarray(sigma, jnp.float32) * jnp.float32(cfg.l2_clip)
     noise = gaussian_noise_like(key, r.grad_sum, 1.0)
     inv = jnp.float32(1.0 / cfg.batch_size)
@@ -309,8 +324,8 @@ def _private_mean(loss_fn: LossFn, w: PyTree, frozen: PyTree, batch: PyTree, mas
 def dp_sam_step(loss_fn: LossFn, cfg: MergeTrainConfig, state: TrainState, frozen: PyTree,
                 anchor_params: PyTree, batch: PyTree, mask: jax.Array, ascent_batch: PyTree,
                 ascent_mask: jax.Array, key: jax.Array,
-                sigma: jax.Array | None = None,
-                anchor: jax.Array | None = None) -> tuple[TrainState, StepStats]:
+                sigma: jax.Array | None = None, anchor: jax.Array | None = None, *,
+                mesh: jax.sharding.Mesh | None = None) -> tuple[TrainState, StepStats]:
     """One pure, jittable step (see the module docstring); batches are padded with masks.
 
     ``ascent_batch``/``ascent_mask`` are used only in "fresh" mode (pass the descent batch
@@ -318,12 +333,14 @@ def dp_sam_step(loss_fn: LossFn, cfg: MergeTrainConfig, state: TrainState, froze
     overrides ``cfg.sigma`` with a traced multiplier (one compilation for several budgets);
     the caller must then account with ``step_event(cfg.mode, sigma, cfg.q)`` itself.
     ``anchor`` likewise overrides ``cfg.anchor`` with a traced lambda (it costs no privacy).
+    With ``mesh`` (a 1-D ``'data'`` mesh) each device clips its share of the batch (whose size
+    must be a multiple of the device count) and one ``psum`` joins them before the noise.
     """
     k_asc, k_desc = jax.random.split(key)
     w = state.params
     if cfg.mode in ("same", "fresh"):
         b, m = (ascent_batch, ascent_mask) if cfg.mode == "fresh" else (batch, mask)
-        direction, _ = _private_mean(loss_fn, w, frozen, b, m, k_asc, cfg, sigma)
+        direction, _ = _private_mean(loss_fn, w, frozen, b, m, k_asc, cfg, sigma, mesh)
     elif cfg.mode == "reuse":
         direction = state.prev_grad
     elif cfg.mode == "random":
@@ -335,7 +352,8 @@ def dp_sam_step(loss_fn: LossFn, cfg: MergeTrainConfig, state: TrainState, froze
         w_eval = w
     else:
         w_eval = tree_add(w, ascent_perturbation(direction, cfg.rho))
-    grad, info = _private_mean(loss_fn, w_eval, frozen, batch, mask, k_desc, cfg, sigma)
+    grad, info = _private_mean(loss_fn, w_eval, frozen, batch, mask, k_desc, cfg, sigma,
+                               mesh)
     if anchor is not None or cfg.anchor:
         strength = cfg.anchor if anchor is None else anchor
         total = tree_add(grad, anchor_gradient(w, anchor_params, strength))
@@ -355,9 +373,9 @@ def _shape_config(cfg: MergeTrainConfig) -> MergeTrainConfig:
 
 
 @functools.lru_cache(maxsize=32)
-def _compiled_step(loss_fn: LossFn, cfg: MergeTrainConfig):
+def _compiled_step(loss_fn: LossFn, cfg: MergeTrainConfig, mesh: jax.sharding.Mesh | None):
     # Runs that differ only in budget, anchor or length share one compilation.
-    return jax.jit(functools.partial(dp_sam_step, loss_fn, cfg))
+    return jax.jit(functools.partial(dp_sam_step, loss_fn, cfg, mesh=mesh))
 
 
 class TrainResult(NamedTuple):
@@ -368,9 +386,25 @@ class TrainResult(NamedTuple):
     losses: list[float]
 
 
+def _ledger(cfg: MergeTrainConfig, event: dp_event.DpEvent, steps: int) -> Ledger:
+    # One entry of count k: composes identically to k entries and is k times cheaper to query.
+    ledger = Ledger(cfg.relation, accountant=cfg.accountant)
+    if steps:
+        ledger.record(event, count=steps, label=f"dp-merging/{cfg.mode}")
+    return ledger
+
+
+def _run(cfg: MergeTrainConfig, params: PyTree, anchor_params: PyTree) -> dict[str, Any]:
+    # What makes a resumed run the same run; K may grow (the budget check guards it).
+    return run_record("dp-merging", cfg, exclude=("steps",), sigma=cfg.sigma,
+                      params=tree_fingerprint(params), anchor=tree_fingerprint(anchor_params))
+
+
 def train_task(loss_fn: LossFn, params: PyTree, frozen: PyTree, data: PyTree, key: jax.Array,
                cfg: MergeTrainConfig, *, anchor_params: PyTree | None = None,
-               callback: Callable[[int, TrainState], None] | None = None) -> TrainResult:
+               callback: Callable[[int, TrainState], None] | None = None,
+               checkpointer: TrainCheckpointer | None = None,
+               mesh: jax.sharding.Mesh | None = None) -> TrainResult:
     """Fine-tunes ``params`` on ``data`` (leaves with leading axis N) for ``cfg.steps`` steps.
 
     ``params`` may be full weights or LoRA factors (any pytree the loss differentiates).
@@ -378,6 +412,14 @@ def train_task(loss_fn: LossFn, params: PyTree, frozen: PyTree, data: PyTree, ke
     :func:`step_event` times ``cfg.steps`` (label ``"dp-merging/<mode>"``), so
     ``result.ledger.epsilon(cfg.delta)`` is the run's guarantee. Raises ``ValueError`` if a
     real example produced a non-finite loss or gradient.
+
+    With ``checkpointer`` the run resumes from its latest checkpoint (parameters, optimiser
+    state, PRNG key, ledger, losses) and saves every ``checkpointer.every`` steps, so a killed
+    and resumed run ends bit-identical to an uninterrupted one; a checkpointer budget is
+    enforced before the first step (``BudgetExceededError``). With ``mesh`` (a 1-D ``'data'``
+    mesh, e.g. :func:`pavejax.privacy.data_mesh`) the batch is sharded over the devices and
+    per-example clipping runs on each shard; the result equals one device up to float
+    summation order.
     """
     n = jax.tree.leaves(data)[0].shape[0]
     if n != cfg.dataset_size:
@@ -385,18 +427,31 @@ def train_task(loss_fn: LossFn, params: PyTree, frozen: PyTree, data: PyTree, ke
                          "sampling rate depends on it, so rebuild the config for this data.")
     anchor_params = params if anchor_params is None else anchor_params
     sampling = cfg.dp_config().sampling
-    step = _compiled_step(loss_fn, _shape_config(cfg))
+    step = _compiled_step(loss_fn, _shape_config(cfg), mesh)
     sigma, anchor = jnp.float32(cfg.sigma), jnp.float32(cfg.anchor)
-    ledger = Ledger(cfg.relation, accountant=cfg.accountant)
     event = step_event(cfg.mode, cfg.sigma, cfg.q)
-    state, losses = init_state(params, cfg), []
-    for k in range(cfg.steps):
+    multiple = 1 if mesh is None else mesh.size
+    state, losses, start, run, budget = init_state(params, cfg), [], 0, None, None
+    if checkpointer is not None:
+        run = _run(cfg, params, anchor_params)
+        ckpt = checkpointer.restore_latest(state, run=run, key_like=key)
+        budget = resolve_budget(ckpt and ckpt.budget, checkpointer.budget)
+        if ckpt is not None:
+            if ckpt.step > cfg.steps:
+                raise ValueError(f"the checkpoint is at step {ckpt.step}, past cfg.steps="
+                                 f"{cfg.steps}; a run cannot be shortened after the fact")
+            state, key, start = TrainState(*ckpt.arrays), ckpt.key, ckpt.step
+            losses = list(ckpt.mechanism["losses"])
+        enforce_budget(_ledger(cfg, event, start), budget, event, cfg.steps - start)
+    if mesh is not None:  # placed once: a step's inputs keep one sharding, so one compilation
+        state, frozen, anchor_params = replicate((state, frozen, anchor_params), mesh)
+    for k in range(start, cfg.steps):
         key, k_s1, k_s2, k_step = jax.random.split(key, 4)
         idx, mask = sampling.sample(k_s1)
-        batch = take_batch(data, idx)
+        batch, mask = pad_batch(take_batch(data, idx), mask, multiple)
         if cfg.mode == "fresh":
             idx2, mask2 = sampling.sample(k_s2)
-            batch2 = take_batch(data, idx2)
+            batch2, mask2 = pad_batch(take_batch(data, idx2), mask2, multiple)
         else:
             batch2, mask2 = batch, mask
         state, stats = step(state, frozen, anchor_params, batch, mask, batch2, mask2, k_step,
@@ -407,6 +462,7 @@ def train_task(loss_fn: LossFn, params: PyTree, frozen: PyTree, data: PyTree, ke
         losses.append(float(stats.loss))
         if callback is not None:
             callback(k, state)
-    # One entry of count K: composes identically to K entries and is K times cheaper to query.
-    ledger.record(event, count=cfg.steps, label=f"dp-merging/{cfg.mode}")
-    return TrainResult(state.params, ledger, losses)
+        if checkpointer is not None and checkpointer.should_save(k + 1, k + 1 == cfg.steps):
+            checkpointer.save(Checkpoint(k + 1, state, key, _ledger(cfg, event, k + 1), run,
+                                         {"losses": losses}, budget))
+    return TrainResult(state.params, _ledger(cfg, event, cfg.steps), losses)

@@ -46,7 +46,9 @@ from tqdm.auto import tqdm
 
 from pavejax import lora
 from pavejax.accounting import Ledger, calibrate_noise
+from pavejax.checkpointing import TrainCheckpointer, run_record
 from pavejax.optim import promotion_safe
+from pavejax.pave._dp_loop import run_dp_steps
 from pavejax.pave.types import PaveSpec, SpecSignature
 from pavejax.privacy import DPConfig, DPGradient, SamplingConfig
 
@@ -361,7 +363,9 @@ def _cross_entropy(logits: jax.Array, target: jax.Array) -> jax.Array:
 def generate_spec(logits_fn: LogitsFn, backbone: Backbone, predicate: lora.Predicate,
                   inputs: Mapping[str, Any], targets: np.ndarray, a_key: jax.Array,
                   config: SpecConfig = SpecConfig(), *, kind: str = "model", aux: PyTree = None,
-                  info: Mapping[str, Any] | None = None) -> SpecResult:
+                  info: Mapping[str, Any] | None = None,
+                  checkpointer: TrainCheckpointer | None = None,
+                  mesh: jax.sharding.Mesh | None = None) -> SpecResult:
     """Train ``B`` (A frozen, from ``a_key``) so that ``logits_fn`` fits ``targets``.
 
     Args:
@@ -379,11 +383,21 @@ def generate_spec(logits_fn: LogitsFn, backbone: Backbone, predicate: lora.Predi
       kind: ``"model"`` or ``"user"``.
       aux: any pytree handed to ``logits_fn`` unchanged (not trained).
       info: extra JSON-safe facts to record in the spec (e.g. class names, data size).
+      checkpointer: DP-S-PAVE only: resume from its latest checkpoint (``B``, optimiser state,
+        ledger, losses; ``A`` is rebuilt from ``a_key`` and never saved) and save every
+        ``checkpointer.every`` steps; a killed and resumed run gives the bit-identical spec and
+        an equal ledger. A checkpointer budget is enforced on the replace-one ledger before
+        the first step (``BudgetExceededError``).
+      mesh: DP-S-PAVE only: a 1-D ``'data'`` mesh; each device clips its share of the batch
+        (equal to one device up to float summation order).
 
     Returns a :class:`SpecResult`. Raises ``ValueError`` on empty/NaN data and on training that
     diverges (a NaN spec is never returned).
     """
     n = _check_data(inputs, targets)
+    if config.privacy is None and (checkpointer is not None or mesh is not None):
+        raise ValueError("checkpointer and mesh apply to DP-S-PAVE only; set config.privacy "
+                         "(the non-private spec is cheap to recompute)")
     data = {k: jnp.asarray(v) for k, v in inputs.items()}
     data["__target"] = jnp.asarray(targets, jnp.float32)
     lcfg = config.lora
@@ -393,10 +407,11 @@ def generate_spec(logits_fn: LogitsFn, backbone: Backbone, predicate: lora.Predi
     opt_state = opt.init(B)
     key = jax.random.key(config.seed)
     desc = f"{kind} spec" + (" (DP-S-PAVE)" if config.privacy else "")
-    bar = tqdm(range(config.steps), desc=desc, disable=not config.progress or None, leave=False)
     losses = []
     ledger = ledger_ar = None
     if config.privacy is None:
+        bar = tqdm(range(config.steps), desc=desc, disable=not config.progress or None,
+                   leave=False)
         batch_size = min(config.batch_size, n)
         full = batch_size == n
         grad_fn = _mean_grad(logits_fn, lcfg)
@@ -411,20 +426,16 @@ def generate_spec(logits_fn: LogitsFn, backbone: Backbone, predicate: lora.Predi
         independent = config.optimizer == "sgd" and config.steps == 1 and full and config.l1 == 0
     else:
         priv = config.privacy
-        sampling, sigma, dp_grad = _dp_setup(logits_fn, lcfg, n, config)
-        ledger = Ledger("replace_one", accountant=priv.accountant)
-        # fixed-size sampling without replacement is analysed under replace-one only
-        ledger_ar = (None if sampling.kind == "fixed"
-                     else Ledger("add_remove", accountant=priv.accountant))
-        for step in bar:
-            grad, stats, event = dp_grad(B, frozen, data, jax.random.fold_in(key, step))
-            ledger.record(event, label="dp-s-pave")
-            if ledger_ar is not None:
-                ledger_ar.record(event, label="dp-s-pave")
-            B, opt_state = _apply(B, grad, opt_state, opt, config)
-            m = np.asarray(stats.mask)
-            losses.append(float(np.sum(np.asarray(stats.losses) * m) / max(m.sum(), 1)))
-            bar.set_postfix(loss=f"{losses[-1]:.4f}", refresh=False)
+        sampling, sigma, dp_grad = _dp_setup(logits_fn, lcfg, n, config, mesh)
+        run = run_record("dp-s-pave", config, exclude=("steps", "progress"), sigma=sigma,
+                         kind=kind, num_examples=n, backbone=backbone.hash, a_hash=lora.a_hash(A))
+        out = run_dp_steps(dp_grad, lambda b, g, s: _apply(b, g, s, opt, config), B, opt_state,
+                           frozen, data, key, config.steps, accountant=priv.accountant,
+                           # fixed-size sampling without replacement is analysed under
+                           # replace-one only
+                           add_remove=sampling.kind != "fixed", checkpointer=checkpointer,
+                           run=run, desc=desc, progress=config.progress)
+        B, ledger, ledger_ar, losses = out.B, out.ledger, out.ledger_add_remove, out.losses
         independent = False
     vec = _spec_vector(B, A, config)
     if not np.isfinite(vec).all():
@@ -468,14 +479,16 @@ def _apply(B, grad, opt_state, opt, config):
 
 
 @functools.cache
-def _dp_gradient(logits_fn: LogitsFn, lcfg: lora.LoraConfig, dp_cfg: DPConfig) -> DPGradient:
+def _dp_gradient(logits_fn: LogitsFn, lcfg: lora.LoraConfig, dp_cfg: DPConfig,
+                 mesh: jax.sharding.Mesh | None) -> DPGradient:
     def example_loss(b, frozen, ex):
         return _example_losses(logits_fn, lcfg, b, frozen, jax.tree.map(lambda v: v[None], ex))[0]
 
-    return DPGradient(example_loss, dp_cfg)
+    return DPGradient(example_loss, dp_cfg, mesh=mesh)
 
 
-def _dp_setup(logits_fn: LogitsFn, lcfg: lora.LoraConfig, n: int, config: SpecConfig):
+def _dp_setup(logits_fn: LogitsFn, lcfg: lora.LoraConfig, n: int, config: SpecConfig,
+              mesh: jax.sharding.Mesh | None = None):
     priv = config.privacy
     kind = priv.sampling
     sampling = SamplingConfig(kind, dataset_size=n, batch_size=min(config.batch_size, n))
@@ -496,7 +509,7 @@ def _dp_setup(logits_fn: LogitsFn, lcfg: lora.LoraConfig, n: int, config: SpecCo
     # the replace-one ledger doubles the sensitivity, i.e. noise sigma C vs sensitivity 2C.
     dp_cfg = DPConfig(priv.l2_clip, float(sigma), sampling, relation="replace_one",
                       clipping=priv.clipping, microbatch_size=priv.microbatch_size)
-    return sampling, float(sigma), _dp_gradient(logits_fn, lcfg, dp_cfg)
+    return sampling, float(sigma), _dp_gradient(logits_fn, lcfg, dp_cfg, mesh)
 
 
 def _config_record(config: SpecConfig) -> dict[str, Any]:

@@ -1,0 +1,204 @@
+"""Step time of the DP-S-PAVE, DP-SAM and PACZero steps on 1, 2, 4 and 8 devices.
+
+Every trainer trains LoRA factors ``B`` (query and value, rank 8) of a BERT text classifier.
+The batch (PACZero: the candidate pool) is sharded over a 1-D ``'data'`` mesh and the
+parameters are replicated: DP-S-PAVE and DP-SAM clip per example on each device and join the
+clipped sums with one ``psum`` before adding noise once; PACZero's forward passes are split by
+GSPMD. One device is the unsharded program (``mesh=None``). All configurations are timed
+alternately in one process (medians), and each row reports how far its parameters, after the
+same steps with the same keys, are from the one-device run (float summation order only).
+
+Summary: ``max_overhead_8dev`` (step time on 8 devices / 1 device, worst trainer) and the
+per-trainer ratios.
+
+On CPU the devices are virtual (``--xla_force_host_platform_device_count=8``, set here before
+JAX starts) and share the same cores, so this measures correctness and the overhead of
+sharding, not a speed-up. ``--quick`` (a 1-layer, hidden-32 BERT on random tokens, batch 16)
+finishes in about two minutes on 2 CPU cores; the full mode (all-MiniLM-L6-v2 on real movie
+reviews, expected batch 64 of 128 tokens) is sized for accelerators.
+
+Running the same on a GPU or TPU pod (see also ``docs/scaling.md``):
+
+* One host with several GPUs: run the script unchanged; ``jax.devices()`` lists the GPUs and
+  the meshes use the first 1, 2, 4, 8 of them (the virtual-CPU flag is ignored by GPU/TPU).
+* Several hosts: start the same command on every host, after calling
+  ``pavejax.distributed.initialize(coordinator_address, num_processes, process_id)`` (no
+  arguments on TPU pods, SLURM or Open MPI: auto-detected). Build the mesh over all processes
+  with ``pavejax.distributed.global_mesh()`` and feed each host's rows with
+  ``pavejax.distributed.global_batch``; every trainer takes that mesh as ``mesh=``.
+* What changes: nothing in the trainers. Keep the batch a multiple of the device count (the
+  trainers pad and mask otherwise), generate noise from the replicated key (they do), and
+  expect the ratio to fall below 1 once per-device work outweighs the ``psum``.
+"""
+
+from __future__ import annotations
+
+import os
+from concurrent.futures import ThreadPoolExecutor
+
+_FLAG = "--xla_force_host_platform_device_count"
+if _FLAG not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" {_FLAG}=8").strip()
+
+import _common  # noqa: E402
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from pavejax import lora, paczero, privacy  # noqa: E402
+from pavejax.distributed import pad_batch  # noqa: E402
+from pavejax.merging import train as mt  # noqa: E402
+from pavejax.models import BertConfig, BertEncoder, TextClassifier  # noqa: E402
+from pavejax.optim import promotion_safe  # noqa: E402
+
+TRAINERS = ("dp-s-pave", "dp-sam", "paczero")
+CLIP, SIGMA, RANK = 0.1, 1.0, 8
+
+
+def _model(quick: bool, batch: int, seq: int, n: int):
+    """(graphdef, params, data with n examples) of a 2-label BERT classifier."""
+    if quick:
+        cfg = BertConfig(vocab_size=128, hidden_size=32, num_layers=1, num_heads=4,
+                         intermediate_size=64, max_position=64)
+        encoder = BertEncoder(cfg, rngs=nnx.Rngs(0))
+        rng = np.random.default_rng(0)
+        ids = rng.integers(1, cfg.vocab_size, size=(n, seq)).astype(np.int32)
+        data = {"input_ids": ids, "attention_mask": np.ones((n, seq), np.int32),
+                "label": rng.integers(0, 2, size=n).astype(np.int32)}
+    else:
+        from pavejax.data import load_task
+        from pavejax.models import load_minilm
+
+        encoder, tok = load_minilm(max_length=seq)
+        task = load_task("movie", max_train=n)
+        toks = tok(list(task.train.inputs[:n]))
+        data = {"input_ids": np.asarray(toks.input_ids),
+                "attention_mask": np.asarray(toks.attention_mask),
+                "label": np.asarray(task.train.labels[:n], np.int32)}
+    graphdef, state = nnx.split(TextClassifier(encoder, 2, rngs=nnx.Rngs(0)))
+    return graphdef, nnx.to_pure_dict(state), jax.tree.map(jnp.asarray, data)
+
+
+def _loss_fn(graphdef, lcfg):
+    def example_loss(B, frozen, ex):
+        params, A = frozen
+        p = lora.apply_lora(params, B, A, lcfg)
+        logits = nnx.merge(graphdef, p)(ex["input_ids"], ex["attention_mask"])
+        return -jax.nn.log_softmax(logits.astype(jnp.float32))[ex["label"]]
+
+    return example_loss
+
+
+def _pave_runner(loss, B0, frozen, data, batch, mesh):
+    n = data["label"].shape[0]
+    dp = privacy.DPGradient(loss, privacy.DPConfig(
+        CLIP, SIGMA, privacy.SamplingConfig("poisson", n, batch), relation="replace_one"),
+        mesh=mesh)
+    opt = promotion_safe(optax.adam(1e-3))
+
+    @jax.jit
+    def update(b, grad, opt_state):
+        updates, opt_state = opt.update(grad, opt_state, b)
+        return optax.apply_updates(b, updates), opt_state
+
+    st = {"B": B0, "opt": opt.init(B0), "t": 0}
+
+    def step():
+        grad, _, _ = dp(st["B"], frozen, data, jax.random.fold_in(jax.random.key(1), st["t"]))
+        st["B"], st["opt"] = update(st["B"], grad, st["opt"])
+        st["t"] += 1
+        jax.block_until_ready(st["B"])
+
+    return step, lambda: st["B"]
+
+
+def _sam_runner(loss, B0, frozen, data, batch, mesh):
+    n = data["label"].shape[0]
+    cfg = mt.MergeTrainConfig(dataset_size=n, steps=1, mode="same", noise_multiplier=SIGMA,
+                              batch_size=batch, l2_clip=CLIP, learning_rate=1e-3)
+    sampling = cfg.dp_config().sampling
+    step_fn = jax.jit(lambda s, fr, w0, b, m, k: mt.dp_sam_step(loss, cfg, s, fr, w0, b, m, b,
+                                                                m, k, mesh=mesh))
+    state = mt.init_state(B0, cfg)
+    st = {"s": state if mesh is None else privacy.replicate(state, mesh), "t": 0}
+
+    def step():
+        key = jax.random.fold_in(jax.random.key(2), st["t"])
+        k_sample, k_step = jax.random.split(key)
+        idx, mask = sampling.sample(k_sample)
+        b, m = pad_batch(privacy.take_batch(data, idx), mask, 1 if mesh is None else mesh.size)
+        st["s"], _ = step_fn(st["s"], frozen, B0, b, m, k_step)
+        st["t"] += 1
+        jax.block_until_ready(st["s"].params)
+
+    return step, lambda: st["s"].params
+
+
+def _zo_runner(loss, B0, frozen, data, pool_size, mesh):
+    pool = jax.tree.map(lambda x: x[:pool_size], data)
+    cfg = paczero.ZOConfig("zpl", steps=10_000, learning_rate=1e-4, clip=CLIP, num_subsets=16)
+    state = paczero.init_state(cfg, B0, pool_size, public_seed=0, mechanism_seed=1)
+    if mesh is not None:
+        pool = privacy.shard_batch(pool, mesh)
+    st = {"s": state}
+
+    def step():
+        st["s"] = paczero.train(cfg, loss, st["s"], frozen, pool, until=st["s"].step + 1)
+        jax.block_until_ready(st["s"].trainable)
+
+    return step, lambda: st["s"].trainable
+
+
+def _max_diff(a, b) -> float:
+    return max(float(jnp.max(jnp.abs(jnp.asarray(x) - jnp.asarray(y))))
+               for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True))
+
+
+def main(argv=None):
+    args = _common.parse_args(__doc__.splitlines()[0], argv)
+    batch, seq, repeats = (16, 16, 5) if args.quick else (64, 128, 20)
+    n_data = 4 * batch
+    counts = [c for c in (1, 2, 4, 8) if c <= len(jax.devices())]
+    graphdef, params, data = _model(args.quick, batch, seq, n_data)
+    lcfg = lora.LoraConfig(RANK)
+    B0, A = lora.init_lora(jax.random.key(3), params, lambda p, _: p.endswith(
+        ("attention/query/kernel", "attention/value/kernel")), lcfg)
+    B0 = jax.tree.map(lambda b: b + 0.01, B0)  # away from zero: every gradient path is live
+    loss, frozen = _loss_fn(graphdef, lcfg), (params, A)
+    runners, finals = {}, {}
+    for c in counts:
+        mesh = None if c == 1 else privacy.data_mesh(c)
+        # Parameters live replicated on the mesh from the start, as the trainers place them.
+        b0, fr = (B0, frozen) if mesh is None else privacy.replicate((B0, frozen), mesh)
+        for name, make, size in (("dp-s-pave", _pave_runner, batch),
+                                 ("dp-sam", _sam_runner, batch),
+                                 ("paczero", _zo_runner, batch)):
+            runners[(name, c)], finals[(name, c)] = make(loss, b0, fr, data, size, mesh)
+    # Compile (first step of every configuration) in parallel threads: XLA releases the GIL.
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        list(pool.map(lambda run: run(), runners.values()))
+    times = _common.interleaved_medians(runners, repeats=repeats, warmup=1)
+    rows = []
+    for name in TRAINERS:
+        for c in counts:
+            rows.append({"trainer": name, "devices": c, "step_s": times[(name, c)],
+                         "ratio_vs_1dev": times[(name, c)] / times[(name, 1)],
+                         "max_abs_diff_vs_1dev": _max_diff(finals[(name, c)](),
+                                                           finals[(name, 1)]())})
+    top = max(counts)
+    per = {f"{name}_overhead_{top}dev": times[(name, top)] / times[(name, 1)]
+           for name in TRAINERS}
+    summary = {"max_overhead_8dev": max(per.values()) if top == 8 else None,
+               "largest_device_count": top, "max_overhead_largest": max(per.values()), **per,
+               "max_abs_diff_vs_1dev": max(r["max_abs_diff_vs_1dev"] for r in rows)}
+    config = {"model": "bert-tiny-1layer (random)" if args.quick else "all-MiniLM-L6-v2",
+              "batch": batch, "seq_len": seq, "dataset_size": n_data, "lora_rank": RANK,
+              "l2_clip": CLIP, "noise_multiplier": SIGMA, "paczero": "zpl, 16 subsets, pool "
+              f"{batch}", "device_counts": counts, "repeats": repeats, "quick": args.quick}
+    return _common.emit("scaling", config, rows, summary, args.out)
+
+
+if __name__ == "__main__":
+    main()
