@@ -33,7 +33,8 @@ top-1 reuse), ``*_hit`` (top-1 identification accuracy: the chosen model is an o
 Full mode: 24 developers, 20 users, 10 shots per class, 64 training examples per class, up to
 150 test examples per class, 48 tokens. ``--quick``: 10 developers, 6 users on three sentiment
 domains and BBC, 32 tokens (a few minutes on 2 CPU cores: spec generation backpropagates through
-MiniLM for every developer and user).
+MiniLM for every developer and user). ``--mid``: 16 developers, 12 users over all five domains,
+32 tokens, up to 150 test examples per class.
 """
 
 from __future__ import annotations
@@ -68,7 +69,11 @@ class Config:
     a_seed: int = 20261129
 
 
-def make_config(quick: bool) -> Config:
+def make_config(quick: bool, mid: bool = False) -> Config:
+    if mid:
+        return Config(MarketConfig(track="text", n_developers=16, n_users=12,
+                                   shots_per_class=10, train_per_class=32, test_per_class=150,
+                                   max_length=32))
     if quick:
         return Config(MarketConfig(track="text", n_developers=10, n_users=6, shots_per_class=10,
                                    train_per_class=32, test_per_class=100, max_length=32,
@@ -230,8 +235,10 @@ def run(cfg: Config, out=None, *, quick: bool) -> dict[str, Any]:
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    args = _common.parse_args(__doc__.splitlines()[0], argv)
-    return run(make_config(args.quick), args.out, quick=args.quick)
+    args = _common.parse_args(__doc__.splitlines()[0], argv, extra=lambda p: p.add_argument(
+        "--mid", action="store_true", help="a mid-size market (16 developers, 12 users, all "
+        "five domains) between --quick and the full mode"))
+    return run(make_config(args.quick, args.mid), args.out, quick=args.quick)
 
 
 if __name__ == "__main__":
