@@ -1,0 +1,397 @@
+"""Private PAVE: identification accuracy of DP-S-PAVE specs vs epsilon and rank, and audits.
+
+Identification rows (the market of ``identification.py``: real all-MiniLM-L6-v2, real text;
+quick: its quick market). Spec recipe: the ``"one_step"`` preset (one full-batch SGD step from
+B = 0, rank 8 on every query/value kernel, A secret from one key). Its private version is
+``PrivacyConfig(target_epsilon=eps, sampling="full", l2_clip=C)``: a single Gaussian release of
+the clipped per-example gradient sum (sensitivity 2C under replace-one, noise sigma C, sigma
+calibrated by the PLD accountant at delta = 1e-5). ``C = 1`` is fixed, not measured on private
+data: per-example gradient norms of this recipe are ~3-6 for confident targets and tiny for
+undertrained developers (``median_grad_norm`` and ``fraction_clipped`` report them), so almost
+every informative example is clipped to C and contributes a unit-norm direction.
+
+Two private settings, both reported: ``dev`` (developer specs are DP-S-PAVE, the released market
+specs; users keep their non-private query) and ``both`` (user specs are DP-S-PAVE too). Every
+spec draws its own noise (its own seed); each (epsilon, setting) is averaged over ``repeats``
+noise draws. Rank rows are non-private. ``data_scale`` rows are a projection, not a
+measurement: developer specs at eps = 4 with noise sigma / k, which is what k times more spec
+data with the same per-example gradient distribution would give; ``data_scale_for_target`` is
+the smallest such k that meets the target.
+
+Fast path (exact, checked): a one-step spec is a function of per-data-set sums that do not depend
+on epsilon or the seed. The benchmark computes, in fixed-size microbatches with the DP engine's
+own clipping (:func:`pavejax.privacy.clipped_sum`), the clipped gradient sum S of each data set
+once and releases ``B = -(S + N(0, (sigma C)^2)) / n`` with :func:`pavejax.privacy.privatize_sum`
+and the noise key that ``generate_spec`` uses for that seed; non-private specs of every rank are
+``B_r = -A_r^T G / n`` from the full-weight gradient G. ``parity_*`` in the summary compares both
+with real :func:`pavejax.pave.spec.generate_spec` calls on one developer (relative max
+difference, and the calibrated sigma and claimed epsilon).
+
+Audit rows (toy model, see ``_pave_privacy_audits.py``): black-box disclosure and amplification
+games per epsilon (audit epsilon next to claimed), non-private PAVE with A known and A secret,
+and the white-box Dirac canary (tightness). Summary keys: ``top1_eps4`` (dev setting),
+``top1_eps4_both``, ``top1_nonprivate``, ``audit_over_claimed_max`` (<= 1),
+``whitebox_over_claimed`` (at eps = 4), ``target_met`` (top1_eps4 within 0.03 of non-private).
+
+``--quick``: the quick market, 3 noise draws, 10k audit runs, 200k white-box runs at eps 1 and 4
+(about 4.5 CPU-minutes; the MiniLM gradient sums dominate). Full: the full market, 10 draws,
+50k / 1M runs at every eps (sized for one GPU). With the market's 64-96 (quick) or 128-192
+(full) spec examples per developer, DP-S-PAVE at eps = 4 stays well below the non-private top-1:
+the noise sigma C is compared with a clipped sum of per-example gradients that mostly cancel.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import _common
+import _pave_privacy_audits as audits
+import identification
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pavejax import lora
+from pavejax.accounting import Ledger
+from pavejax.data.market import build_market, evaluate_market
+from pavejax.data.market_metrics import ranking_metrics
+from pavejax.pave import spec as S
+from pavejax.pave.text import TextSpecBackbone
+from pavejax.privacy import ClipConfig, clipped_sum, privatize_sum
+
+EPSILONS = (0.5, 1.0, 2.0, 4.0, 8.0)
+
+
+def _log(msg: str) -> None:
+    print(f"[pave_privacy] {msg}", file=sys.stderr, flush=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    ident: identification.Config
+    epsilons: tuple[float, ...] = EPSILONS
+    ranks: tuple[int, ...] = (2, 4, 8, 16)
+    rank: int = 8
+    l2_clip: float = 1.0
+    delta: float = 1e-5
+    accountant: str = "pld"
+    repeats: int = 10
+    microbatch: int = 16
+    audit_runs: int = 50_000
+    whitebox_runs: int = 1_000_000
+    whitebox_steps: int = 4
+    whitebox_epsilons: tuple[float, ...] = EPSILONS
+    data_scales: tuple[float, ...] = (2.0, 4.0, 8.0, 16.0)
+
+
+def make_config(quick: bool) -> Config:
+    ident = identification.make_config(quick)
+    if quick:
+        return Config(ident, repeats=3, audit_runs=10_000, whitebox_runs=200_000,
+                      whitebox_epsilons=(1.0, 4.0))
+    return Config(ident)
+
+
+# --- per-data-set sums on MiniLM ---------------------------------------------------------------
+
+
+class Sums:
+    """Clipped per-example gradient sums (rank ``cfg.rank``) and full-weight gradient sums of
+    every spec data set, computed once in fixed-size microbatches."""
+
+    def __init__(self, tb: TextSpecBackbone, a_key: jax.Array, cfg: Config):
+        self.tb, self.cfg = tb, cfg
+        self.lcfg = lora.LoraConfig(cfg.rank)
+        self.B0, self.A = lora.init_lora(a_key, tb.backbone.params, tb.predicate, self.lcfg)
+        self.paths = sorted(self.B0)
+        params, logits_fn, lcfg, clip = tb.backbone.params, tb.logits_fn, self.lcfg, \
+            ClipConfig(cfg.l2_clip)
+
+        def example_loss(b, frozen, ex):  # the loss generate_spec's DP-S-PAVE clips
+            return S._example_losses(logits_fn, lcfg, b, frozen,
+                                     jax.tree.map(lambda v: v[None], ex))[0]
+
+        @jax.jit
+        def clip_sum(head, batch, mask):
+            r = clipped_sum(example_loss, self.B0, (self.A, params, head), batch, mask, clip)
+            return r.grad_sum, r.norms
+
+        @jax.jit
+        def weight_grad(head, batch, mask):
+            sel = {p: w for p, w in lora.named_leaves(params).items() if p in self.B0}
+
+            def total(w):
+                merged = jax.tree_util.tree_map_with_path(
+                    lambda kp, leaf: w.get(lora.path_string(kp), leaf), params)
+                x = {k: v for k, v in batch.items() if k != "__target"}
+                return jnp.sum(jnp.where(mask, S._cross_entropy(logits_fn(merged, x, head),
+                                                                batch["__target"]), 0.0))
+
+            return jax.grad(total)(sel)
+
+        self._clip_sum, self._weight_grad = clip_sum, weight_grad
+
+    def __call__(self, texts: Sequence[str], targets: np.ndarray, classes: Sequence[str]):
+        """(clipped sum dict, full-weight gradient sum dict, n, per-example norms)."""
+        enc = self.tb.encode(list(texts))
+        enc["__target"] = np.asarray(targets, np.float32)
+        head, n, m = self.tb.head(classes), len(texts), self.cfg.microbatch
+        s_clip = g_w = None
+        norms = []
+        for i in range(0, n, m):
+            part = {k: v[i:i + m] for k, v in enc.items()}
+            real = len(part["__target"])
+            part = {k: np.concatenate([v, np.repeat(v[:1], m - real, 0)]) for k, v in part.items()}
+            mask = jnp.arange(m) < real
+            cs, nrm = self._clip_sum(head, part, mask)
+            gw = self._weight_grad(head, part, mask)
+            s_clip = cs if s_clip is None else jax.tree.map(jnp.add, s_clip, cs)
+            g_w = gw if g_w is None else jax.tree.map(jnp.add, g_w, gw)
+            norms.append(np.asarray(nrm)[:real])
+        return s_clip, g_w, n, np.concatenate(norms)
+
+
+def nonprivate_vector(g_w: dict, n: int, A: dict) -> np.ndarray:
+    """One SGD step (lr 1, scale 1) from B = 0: B_p = -A_p^T G_p / n, concatenated."""
+    return np.concatenate([-(np.asarray(A[p]).T @ np.asarray(g_w[p], np.float64) / n).ravel()
+                           for p in sorted(A)]).astype(np.float32)
+
+
+def dp_vector(s_clip: dict, n: int, sigma: float, l2_clip: float, seed: int) -> np.ndarray:
+    """The DP-S-PAVE one-step release for ``SpecConfig.seed = seed`` (generate_spec's keys)."""
+    k_noise = jax.random.split(jax.random.fold_in(jax.random.key(seed), 0))[1]
+    g = privatize_sum(s_clip, k_noise, noise_multiplier=sigma, sensitivity=l2_clip,
+                      expected_batch_size=float(n))
+    return np.concatenate([-np.asarray(g[p]).ravel() for p in sorted(g)])
+
+
+def cosine_scores(users: np.ndarray, devs: np.ndarray) -> np.ndarray:
+    u = users / np.linalg.norm(users, axis=1, keepdims=True)
+    d = devs / np.linalg.norm(devs, axis=1, keepdims=True)
+    return u @ d.T
+
+
+def _top1(scores: np.ndarray, acc: np.ndarray) -> tuple[float, float]:
+    chosen = np.argmax(scores, axis=1)
+    return float(np.mean(acc[np.arange(len(chosen)), chosen])), \
+        ranking_metrics(scores, acc).top1_hit_rate
+
+
+# --- the run --------------------------------------------------------------------------------------
+
+
+def calibrate(tb, cfg: Config, eps: float) -> tuple[S.SpecConfig, float, float]:
+    """(spec config, sigma, claimed replace-one epsilon) of ``target_epsilon=eps``. With q = 1
+    and one step sigma does not depend on n; it is calibrated once (by generate_spec's own
+    ``_dp_setup``) and the claim is the PLD/RDP ledger's epsilon for that sigma."""
+    priv = S.PrivacyConfig(l2_clip=cfg.l2_clip, target_epsilon=eps, delta=cfg.delta,
+                           sampling="full", accountant=cfg.accountant)
+    config = S.SpecConfig.preset("one_step", rank=cfg.rank, privacy=priv, progress=False)
+    _, sigma, dp = S._dp_setup(tb.logits_fn, config.lora, 64, config)
+    ledger = Ledger("replace_one", accountant=cfg.accountant)
+    ledger.record(dp.config.step_event())
+    return config, sigma, ledger.epsilon(cfg.delta)
+
+
+def _seed(repeat: int, group: str, index: int) -> int:
+    # every spec draws its own noise: a seed shared by two specs would give them the same noise,
+    # which cancels in their cosine ranking and in their difference
+    return 10_000 * repeat + (5_000 if group == "user" else 0) + index
+
+
+def data_scale_rows(cfg: Config, devs, base_users, acc, calibrated) -> list[dict[str, Any]]:
+    """Projection, not a measurement: developer specs at eps = 4 with noise sigma / k stand for
+    k times more spec data per developer with the same per-example gradient distribution (the
+    clipped sum grows k-fold, the noise does not). Says how much data the target needs."""
+    _, sigma, claimed = calibrated
+    rows = []
+    for k in cfg.data_scales:
+        vals = [_top1(cosine_scores(base_users, np.stack([
+            dp_vector(s_clip, n, sigma / k, cfg.l2_clip, _seed(rep, "dev", j))
+            for j, (s_clip, _, n, _) in enumerate(devs)])), acc)[0] for rep in range(cfg.repeats)]
+        rows.append({"part": "data_scale", "setting": f"dev, data x{k:g} (projection)",
+                     "data_scale": k, "epsilon": 4.0, "claimed_epsilon": claimed, "rank": cfg.rank,
+                     "noise_multiplier": sigma / k, "top1_acc": float(np.mean(vals)),
+                     "top1_acc_std": float(np.std(vals)), "repeats": cfg.repeats})
+    return rows
+
+
+def identification_rows(cfg: Config, market, acc, tb, a_key):
+    t0 = time.perf_counter()
+    sums = Sums(tb, a_key, cfg)
+    devs = [sums(list(d.train.inputs), S.soft_targets(d.logits(list(d.train.inputs))),
+                 d.classes) for d in market.developers]
+    users = [sums(list(u.few_shot.inputs), S.hard_targets(u.few_shot.labels, len(u.classes)),
+                  u.classes) for u in market.users]
+    t_sums = time.perf_counter() - t0
+    _log(f"gradient sums of {len(devs)} developers and {len(users)} users ({t_sums:.0f} s)")
+    rows, curves = [], {"dev": {}, "both": {}}
+    base_users = np.stack([nonprivate_vector(g, n, sums.A) for _, g, n, _ in users])
+    base_devs = np.stack([nonprivate_vector(g, n, sums.A) for _, g, n, _ in devs])
+    top1_np, hit_np = _top1(cosine_scores(base_users, base_devs), acc)
+    calibrated = {}
+    for eps in cfg.epsilons:
+        _, sigma, claimed = calibrated[eps] = calibrate(tb, cfg, eps)
+        res = {"dev": [], "both": []}
+        for rep in range(cfg.repeats):
+            priv = {name: np.stack([dp_vector(s_clip, n, sigma, cfg.l2_clip, _seed(rep, name, j))
+                                    for j, (s_clip, _, n, _) in enumerate(group)])
+                    for name, group in (("dev", devs), ("user", users))}
+            res["dev"].append(_top1(cosine_scores(base_users, priv["dev"]), acc))
+            res["both"].append(_top1(cosine_scores(priv["user"], priv["dev"]), acc))
+        for mode, vals in res.items():
+            v = np.asarray(vals)
+            curves[mode][eps] = float(v[:, 0].mean())
+            rows.append({"part": "identification", "setting": mode, "epsilon": eps,
+                         "claimed_epsilon": claimed, "rank": cfg.rank, "noise_multiplier": sigma,
+                         "top1_acc": float(v[:, 0].mean()), "top1_acc_std": float(v[:, 0].std()),
+                         "top1_hit": float(v[:, 1].mean()), "repeats": cfg.repeats})
+        _log(f"eps={eps:g}: sigma={sigma:.3f}, top-1 dev {curves['dev'][eps]:.3f}, "
+             f"both {curves['both'][eps]:.3f}")
+    if 4.0 in calibrated:
+        rows += data_scale_rows(cfg, devs, base_users, acc, calibrated[4.0])
+    rows.append({"part": "identification", "setting": "nonprivate", "epsilon": math.inf,
+                 "rank": cfg.rank, "top1_acc": top1_np, "top1_hit": hit_np})
+    rank_curve = {}
+    for r in cfg.ranks:
+        _, A_r = lora.init_lora(a_key, tb.backbone.params, tb.predicate, lora.LoraConfig(r))
+        scores = cosine_scores(np.stack([nonprivate_vector(g, n, A_r) for _, g, n, _ in users]),
+                               np.stack([nonprivate_vector(g, n, A_r) for _, g, n, _ in devs]))
+        rank_curve[r], hit = _top1(scores, acc)
+        rows.append({"part": "rank", "setting": "nonprivate", "epsilon": math.inf, "rank": r,
+                     "top1_acc": rank_curve[r], "top1_hit": hit})
+    norms = np.concatenate([d[3] for d in devs])
+    extra = {"top1_nonprivate": top1_np, "hit_nonprivate": hit_np,
+             "oracle_top1": float(np.mean(acc.max(axis=1))), "random_top1": float(np.mean(acc)),
+             "median_grad_norm": float(np.median(norms)),
+             "fraction_clipped": float(np.mean(norms > cfg.l2_clip)),
+             "seconds_sums": t_sums}
+    return rows, curves, rank_curve, extra, (sums, devs, calibrated)
+
+
+def parity(cfg: Config, market, tb, a_key, sums, devs, calibrated) -> dict[str, float]:
+    """Max |difference| between the fast path and real generate_spec on developer 0."""
+    d = market.developers[0]
+    texts = list(d.train.inputs)
+    logits = d.logits(texts)
+    s_clip, g_w, n, _ = devs[0]
+    out = {}
+    plain = S.SpecConfig.preset("one_step", rank=cfg.rank, progress=False)
+    res = tb.model_spec(texts, logits, d.classes, a_key, plain)
+    out["parity_nonprivate"] = float(np.abs(res.spec.vector - nonprivate_vector(
+        g_w, n, sums.A)).max() / np.abs(res.spec.vector).max())
+    config, sigma, claimed = calibrated.get(4.0) or calibrate(tb, cfg, 4.0)
+    res = tb.model_spec(texts, logits, d.classes, a_key, dataclasses.replace(config, seed=1))
+    out["parity_dp_noise_multiplier"] = abs(res.spec.info["noise_multiplier"] - sigma)
+    out["parity_dp_eps4"] = float(np.abs(res.spec.vector - dp_vector(
+        s_clip, n, sigma, cfg.l2_clip, 1)).max() / np.abs(res.spec.vector).max())
+    out["parity_dp_claimed_epsilon"] = abs(res.spec.info["guarantee"]["epsilon"] - claimed)
+    return out
+
+
+def _plot(curves, rank_curve, extra, audit_rows, path: Path) -> str | None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4))
+    ax = axes[0]
+    for mode, label in (("dev", "DP developer specs"), ("both", "DP developer + user specs")):
+        eps = sorted(curves[mode])
+        ax.plot(eps, [curves[mode][e] for e in eps], "o-", label=label)
+    for key, style, label in (("top1_nonprivate", "k--", "non-private"),
+                              ("oracle_top1", "g:", "oracle"), ("random_top1", "r:", "random")):
+        ax.axhline(extra[key], color=style[0], linestyle=style[1:], label=label)
+    eps_ticks = sorted(curves["dev"])
+    ax.set(xscale="log", xlabel="epsilon (replace-one, delta=1e-5)", ylabel="top-1 reuse accuracy",
+           title="identification vs epsilon", ylim=(0, 1))
+    ax.set_xticks(eps_ticks, [f"{e:g}" for e in eps_ticks])
+    ax.minorticks_off()
+    ax.legend(fontsize=7)
+    ranks = sorted(rank_curve)
+    axes[1].plot(ranks, [rank_curve[r] for r in ranks], "o-")
+    axes[1].set(xscale="log", xlabel="rank r", ylabel="top-1 reuse accuracy", ylim=(0, 1),
+                title="identification vs rank (non-private)")
+    axes[1].set_xticks(ranks, [str(r) for r in ranks])
+    axes[1].minorticks_off()
+    ax = axes[2]
+    for part, marker in (("audit", "o"), ("whitebox", "s")):
+        pts = [(r["claimed_epsilon"], r["audit_epsilon"]) for r in audit_rows
+               if r["part"] == part and r.get("claimed_epsilon") is not None]
+        if pts:
+            ax.plot(*zip(*pts, strict=True), marker, label=f"{part} lower bound")
+    top = max(r["claimed_epsilon"] for r in audit_rows if r.get("claimed_epsilon"))
+    ax.plot([0, top], [0, top], "k--", label="claimed")
+    ax.set(xlabel="claimed epsilon", ylabel="audited epsilon (95% lower bound)",
+           title="audits (toy model)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return str(path)
+
+
+def run(cfg: Config, out: Path | None, plot: Path | None, *, quick: bool) -> dict[str, Any]:
+    t0 = time.perf_counter()
+    market = build_market(cfg.ident.market, progress=False)
+    acc = evaluate_market(market)
+    tb = TextSpecBackbone(max_length=cfg.ident.market.max_length)
+    a_key = jax.random.key(cfg.ident.a_seed)
+    t_market = time.perf_counter() - t0
+    _log(f"market built ({t_market:.0f} s)")
+    rows, curves, rank_curve, extra, (sums, devs, calibrated) = identification_rows(
+        cfg, market, acc, tb, a_key)
+    checks = parity(cfg, market, tb, a_key, sums, devs, calibrated)
+    _log(f"parity with generate_spec: {checks}")
+    t1 = time.perf_counter()
+    sigmas = {eps: calibrated[eps][1] for eps in cfg.epsilons}
+    audit_rows = audits.spec_audit_rows(sigmas, runs=cfg.audit_runs, delta=cfg.delta,
+                                        l2_clip=cfg.l2_clip)
+    audit_rows += audits.whitebox_rows({e: sigmas[e] for e in cfg.whitebox_epsilons},
+                                       runs=cfg.whitebox_runs, steps=cfg.whitebox_steps,
+                                       delta=cfg.delta, l2_clip=cfg.l2_clip)
+    t_audit = time.perf_counter() - t1
+    private = [r for r in audit_rows if r.get("audit_over_claimed") is not None]
+    wb = {r["epsilon"]: r["audit_over_claimed"] for r in audit_rows if r["part"] == "whitebox"}
+    summary = {"top1_eps4": curves["dev"].get(4.0), "top1_eps4_both": curves["both"].get(4.0),
+               **extra, **checks,
+               "audit_over_claimed_max": max(r["audit_over_claimed"] for r in private),
+               "whitebox_over_claimed": wb.get(4.0, max(wb.values())),
+               "seconds_market": t_market, "seconds_audits": t_audit,
+               "seconds_total": time.perf_counter() - t0}
+    if summary["top1_eps4"] is not None:
+        summary["target_met"] = bool(summary["top1_nonprivate"] - summary["top1_eps4"] <= 0.03)
+        enough = [r["data_scale"] for r in rows if r["part"] == "data_scale"
+                  and summary["top1_nonprivate"] - r["top1_acc"] <= 0.03]
+        summary["data_scale_for_target"] = min(enough) if enough else None
+    if plot is not None:
+        summary["plot"] = _plot(curves, rank_curve, extra, audit_rows, plot)
+    config = {"market": dataclasses.asdict(cfg.ident.market), "a_seed": cfg.ident.a_seed,
+              "spec_recipe": "one_step", "private_settings": ["dev", "both"],
+              **{f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)
+                 if f.name != "ident"},
+              "quick": quick}
+    all_rows = rows + audit_rows
+    columns = list(dict.fromkeys(k for r in all_rows for k in r))
+    all_rows = [{c: r.get(c) for c in columns} for r in all_rows]  # one table, blanks = None
+    return _common.emit("pave_privacy", config, all_rows, summary, out)
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    args = _common.parse_args(__doc__.splitlines()[0], argv, extra=lambda p: p.add_argument(
+        "--plot", type=Path, default=None, help="PNG path (default: --out with .png)"))
+    plot = args.plot or (args.out.with_suffix(".png") if args.out else None)
+    return run(make_config(args.quick), args.out, plot, quick=args.quick)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,211 @@
+"""What the subcommands share: the text backbone, model releases, privacy wording, output.
+
+A **model release** here is a :func:`pavejax.release.save_release` directory whose tensors are a
+classification head ``{"kernel": (384, k), "bias": (k,)}`` on the frozen all-MiniLM-L6-v2
+mean-pooled features (the DP-Merging task models of :mod:`pavejax.lifecycle`). Its metadata
+``extra`` records the public facts needed to use it again: ``classes`` (output order),
+``data`` (task name, split seed, sizes, sequence length) and, for derived models, ``sources``
+or ``upstream``. Secrets (noise keys, the dock's A key, PAC secret index and generator state)
+are drawn fresh from the OS and never written anywhere.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import math
+import secrets
+import textwrap
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, NamedTuple
+
+TEXT_TASKS = ("movie", "amazon", "nyt", "tweets", "bbc")
+MODEL_KINDS = ("model", "merged_model")
+HIDDEN = 384  # all-MiniLM-L6-v2
+
+DELTA_HELP = ("delta of the (epsilon, delta) guarantee: the probability that the epsilon bound "
+              "may fail; keep it well below 1/n for n private examples (default %(default)g)")
+NOISE_SECRET = ("The noise and sampling keys are drawn fresh from the operating system and never "
+                "written anywhere, so nobody can regenerate and subtract the noise.")
+
+
+def secret_seed() -> int:
+    """A fresh 62-bit seed from the OS for noise and sampling keys (never recorded)."""
+    return secrets.randbits(62)
+
+
+def describe(p: argparse.ArgumentParser, description: str,
+             items: Mapping[str, str] | None = None, title: str = "") -> None:
+    """Set a wrapped description and an epilog listing ``items`` (name: meaning)."""
+    p.formatter_class = argparse.RawDescriptionHelpFormatter
+    p.description = textwrap.fill(description, 88, break_on_hyphens=False)
+    if items:
+        width = max(map(len, items)) + 2
+        p.epilog = f"{title}:\n" + "\n".join(
+            textwrap.fill(v, 88, initial_indent=f"  {k:{width}s}", break_on_hyphens=False,
+                          subsequent_indent=" " * (width + 2)) for k, v in items.items())
+
+
+def add_output_arguments(p: argparse.ArgumentParser, what: str) -> None:
+    """``--out DIR`` (required), ``--overwrite`` and ``--json``."""
+    p.add_argument("--out", type=Path, required=True,
+                   help=f"directory of the {what} release to write (must not exist, or use "
+                        f"--overwrite)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace an existing release at --out")
+    p.add_argument("--json", action="store_true", help="print a JSON summary instead of text")
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an int >= 1."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """argparse type: a float > 0 (``inf`` allowed where the caller says so)."""
+    value = float(text)
+    if not value > 0 or math.isnan(value):
+        raise argparse.ArgumentTypeError(f"must be a number > 0, got {text}")
+    return value
+
+
+def emit(ns: argparse.Namespace, summary: Mapping[str, Any], lines: Sequence[str]) -> None:
+    """Print ``summary`` as JSON (``--json``) or the human-readable ``lines``."""
+    if getattr(ns, "json", False):
+        print(json.dumps(summary, indent=2, default=float))
+    else:
+        print("\n".join(lines))
+
+
+# --- backbone ---------------------------------------------------------------------------------
+
+
+@functools.cache
+def text_backbone(seq_len: int, layers: tuple[int, ...] | None):
+    """The PAVE text backbone (real all-MiniLM-L6-v2) at ``seq_len`` tokens, adapting the
+    attention query/value kernels of ``layers``; cached so compiled steps are reused."""
+    from pavejax.models import load_minilm
+    from pavejax.pave.text import TextSpecBackbone
+
+    encoder, tokenizer = load_minilm(max_length=seq_len)
+    return TextSpecBackbone(encoder, tokenizer, max_length=seq_len, layers=layers)
+
+
+@functools.cache
+def minilm_hash() -> str:
+    """sha256 of the all-MiniLM-L6-v2 weights, as recorded in spec signatures."""
+    from flax import nnx
+
+    from pavejax.models import load_minilm
+    from pavejax.pave.spec import backbone_hash
+
+    encoder, _ = load_minilm(max_length=16)  # the weights do not depend on max_length
+    return backbone_hash(nnx.to_pure_dict(nnx.split(encoder)[1]))
+
+
+def features(texts: Sequence[str], labels: Any, seq_len: int) -> dict[str, Any]:
+    """``{"x": (n, 384) float32 frozen MiniLM mean-pooled features, "y": (n,) int32}``."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from pavejax.data import embed_texts
+
+    return {"x": jnp.asarray(embed_texts(list(texts), max_length=seq_len)),
+            "y": jnp.asarray(np.asarray(labels), jnp.int32)}
+
+
+def accuracy(params: Mapping[str, Any], data: Mapping[str, Any], classes: Sequence[str],
+             user_classes: Sequence[str] | None = None) -> float:
+    """Accuracy of the head ``params`` on ``data`` whose labels index ``user_classes`` (default
+    ``classes``); models and labels are matched by class name."""
+    import numpy as np
+
+    from pavejax.data.market_metrics import class_identity_accuracy
+    from pavejax.lifecycle import apply_head
+
+    user_classes = tuple(classes if user_classes is None else user_classes)
+    logits = np.asarray(apply_head(dict(params), data["x"]))
+    return float(class_identity_accuracy(logits, tuple(classes), np.asarray(data["y"]),
+                                         user_classes))
+
+
+def lifecycle_config(**overrides: Any):
+    """A :class:`pavejax.lifecycle.LifecycleConfig` for one developer task (the user task, which
+    the subcommands do not use, is set to another task to satisfy its validation)."""
+    from pavejax.lifecycle import LifecycleConfig
+
+    devs = overrides.get("developers", ())
+    overrides.setdefault("user_task", next(t for t in TEXT_TASKS if t not in devs))
+    return LifecycleConfig(progress=False, **overrides)
+
+
+# --- model releases ---------------------------------------------------------------------------
+
+
+class ModelRelease(NamedTuple):
+    """A loaded model release: the head, its metadata, class names and data record."""
+
+    params: dict
+    meta: Any
+    classes: tuple[str, ...]
+    data: dict
+
+
+def save_model_release(out: Path, params: Mapping[str, Any], *, kind: str, mechanism: str,
+                       ledger: Any, guarantee: dict, risk: dict, hyperparameters: dict,
+                       extra: dict, overwrite: bool) -> str:
+    """Write a head as a release (see the module docstring); returns its content hash."""
+    import numpy as np
+
+    from pavejax.pave.text import MINILM_ID
+    from pavejax.release import ReleaseMetadata, save_release
+
+    meta = ReleaseMetadata(kind=kind, backbone_id=MINILM_ID, backbone_hash=minilm_hash(),
+                           mechanism=mechanism, ledger=ledger, guarantee=guarantee,
+                           hyperparameters=hyperparameters, risk=risk, extra=extra)
+    tensors = {"kernel": np.asarray(params["kernel"], np.float32),
+               "bias": np.asarray(params["bias"], np.float32)}
+    return save_release(out, tensors, meta, overwrite=overwrite)
+
+
+def load_model_release(path: Path) -> ModelRelease:
+    """Verify and read a model release written by ``train``, ``merge`` or ``adapt``."""
+    import jax.numpy as jnp
+
+    from pavejax.release import load_release
+
+    tensors, meta = load_release(path, expect_backbone_hash=minilm_hash())
+    if meta.kind not in MODEL_KINDS:
+        raise ValueError(f"{path} holds a {meta.kind!r} release, not a model; pass a directory "
+                         f"written by 'pavejax train', 'merge' or 'adapt'")
+    classes = tuple(meta.extra.get("classes", ()))
+    if set(tensors) != {"kernel", "bias"} or tensors["kernel"].shape != (HIDDEN, len(classes)):
+        raise ValueError(f"{path} is not a classification head on MiniLM features (expected "
+                         f"tensors kernel ({HIDDEN}, k) and bias (k,) with k class names)")
+    params = {"kernel": jnp.asarray(tensors["kernel"]), "bias": jnp.asarray(tensors["bias"])}
+    return ModelRelease(params, meta, classes, dict(meta.extra.get("data", {})))
+
+
+def dp_guarantee(ledger: Any, delta: float, *, protects: str, conditions: list[str],
+                 **facts: Any) -> dict[str, Any]:
+    """A ``"dp"`` guarantee record stating the ledger's own epsilon at ``delta``."""
+    eps = ledger.epsilon(delta)
+    return {"kind": "dp", "epsilon": eps, "delta": delta, "relation": ledger.relation.value,
+            "accountant": ledger.accountant, "protects": protects,
+            "against": "anyone who sees this release (tensors, metadata, ledger), whatever else "
+                       "they know, including every other record of the data",
+            "conditions": conditions, **facts}
+
+
+def risk_record(epsilon: float, delta: float) -> dict[str, Any]:
+    """:func:`pavejax.accounting.risk_report`, or a note when epsilon is infinite."""
+    from pavejax.accounting import risk_report
+
+    if not math.isfinite(epsilon):
+        return {"note": "no finite epsilon: no risk bound holds (every bound is 1)"}
+    return risk_report(epsilon, delta)

@@ -1,0 +1,203 @@
+"""``pavejax adapt``: zeroth-order adaptation of a model release on a private task.
+
+The task's training split is the private pool; PACZero (:mod:`pavejax.paczero`) releases one
+sign per step that is unanimous over the secret candidate subsets of the pool or a fair coin
+(ZPL: zero mutual information), or a budgeted noisy sign (MI). MeZO (non-private) and DP-ZO
+(Gaussian noise on clipped per-example differences) are the baselines. Model selection reads
+the task's dev split, which lies outside the pool.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from pavejax.commands import _shared as sh
+
+MECHANISMS = {
+    "zpl": "PACZero-ZPL: zero mutual information between the secret subset and everything "
+           "released (certified PAC privacy; membership posterior stays at the prior 1/2)",
+    "mi": "PACZero-MI: at most --mi-budget nats of mutual information (chain rule over steps)",
+    "mezo": "MeZO: exact pool-mean directional derivatives, NOT private (baseline)",
+    "dpzo": "DP-ZO: Gaussian noise on the clipped sum of per-example differences, Poisson "
+            "sampling; (--epsilon, --delta)-DP for one pool example added or removed",
+}
+
+DESCRIPTION = (
+    "Adapt a model release on the private training split of TASK with zeroth-order steps and "
+    "write a model release with the ledger of this adaptation. Privacy: what is protected is "
+    "the pool (the training split of TASK) from anyone who sees the release and every update "
+    "along the way. PACZero's PAC guarantee bounds the mutual information (nats) between the "
+    "secret candidate subset of the pool and the releases; every pool example is in half of "
+    "the subsets (membership prior 1/2), and the mutual information bounds any membership "
+    "attack's posterior success. The dev split used for model selection and the test split "
+    "used for the reported accuracy are read without noise and are not covered. The input "
+    "model's own guarantee (on its developers' data) is copied into the release as upstream. "
+    "The membership matrix, secret index and mechanism generator are seeded from the OS and "
+    "never written.")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    sh.describe(p, DESCRIPTION, MECHANISMS, "mechanisms")
+    p.add_argument("--model", type=Path, required=True,
+                   help="model release directory (train, merge or adapt output)")
+    p.add_argument("--task", required=True,
+                   help="the private task; its class names must be the model's")
+    p.add_argument("--mechanism", choices=tuple(MECHANISMS), default="zpl",
+                   help="zeroth-order mechanism (see below), default %(default)s")
+    p.add_argument("--mi-budget", type=sh.positive_float, default=None,
+                   help="mi: total mutual-information budget in nats between the secret subset "
+                        "and all releases (e.g. 0.33 matches epsilon = 2 at the "
+                        "membership-inference level)")
+    p.add_argument("--epsilon", type=sh.positive_float, default=None,
+                   help="dpzo: the run is (epsilon, --delta)-DP for one pool example added or "
+                        "removed (noise calibrated by the RDP accountant)")
+    p.add_argument("--delta", type=float, default=1e-5, help="dpzo: " + sh.DELTA_HELP)
+    p.add_argument("--steps", type=sh.positive_int, default=300, help="zeroth-order steps")
+    p.add_argument("--lr", type=sh.positive_float, default=1e-2, help="initial learning rate")
+    p.add_argument("--zo-eps", type=sh.positive_float, default=1e-2,
+                   help="perturbation scale of the two-point differences")
+    p.add_argument("--subsets", type=sh.positive_int, default=16,
+                   help="zpl/mi: number M of secret candidate subsets (even)")
+    p.add_argument("--dp-batch", type=sh.positive_int, default=64,
+                   help="dpzo: expected Poisson batch size")
+    p.add_argument("--pool-size", type=sh.positive_int, default=256,
+                   help="private pool: examples of the training split")
+    p.add_argument("--dev-size", type=sh.positive_int, default=64,
+                   help="dev examples for model selection (outside the pool)")
+    p.add_argument("--test-size", type=sh.positive_int, default=256,
+                   help="test examples for the reported accuracy")
+    p.add_argument("--seed", type=int, default=0,
+                   help="public seed of the split and of the perturbation directions")
+    p.add_argument("--progress", action="store_true", help="show a progress bar")
+    sh.add_output_arguments(p, "adapted model")
+
+
+def _check_flags(ns: argparse.Namespace) -> None:
+    if ns.mechanism == "mi" and ns.mi_budget is None:
+        raise ValueError("--mechanism mi needs --mi-budget (nats), e.g. 0.33")
+    if ns.mechanism == "dpzo" and ns.epsilon is None:
+        raise ValueError("--mechanism dpzo needs --epsilon (e.g. 4)")
+    if ns.mechanism != "mi" and ns.mi_budget is not None:
+        raise ValueError("--mi-budget applies to --mechanism mi only")
+    if ns.mechanism != "dpzo" and ns.epsilon is not None:
+        raise ValueError("--epsilon applies to --mechanism dpzo only (zpl releases 0 nats; mi "
+                         "takes --mi-budget)")
+    if ns.subsets % 2:
+        raise ValueError(f"--subsets must be even (each pool example is in half of the "
+                         f"subsets), got {ns.subsets}")
+
+
+def _config(ns: argparse.Namespace, n: int):
+    from pavejax.paczero import ZOConfig
+
+    return ZOConfig(mechanism=ns.mechanism, steps=ns.steps, learning_rate=ns.lr, eps=ns.zo_eps,
+                    num_subsets=ns.subsets, clip=25.0, mi_budget=ns.mi_budget,
+                    dp_epsilon=ns.epsilon, dp_delta=ns.delta,
+                    dp_batch_size=min(ns.dp_batch, n) if ns.mechanism == "dpzo" else None,
+                    eval_every=max(1, ns.steps // 10))
+
+
+def _guarantee(ns, zcfg, ledger, n: int, task: str) -> tuple[dict, dict]:
+    from pavejax.accounting import pac
+
+    pool = f"each example of the private pool ({n} training examples of task {task!r})"
+    kept = ["membership matrix, secret subset index and mechanism generator seeded from the "
+            "OS, never released", "the dev split used for selection lies outside the pool"]
+    if ns.mechanism == "mezo":
+        return ({"kind": "none", "note": "MeZO releases exact pool-mean directional "
+                                         "derivatives: not private"},
+                {"note": "non-private: no risk bound"})
+    if ns.mechanism == "dpzo":
+        g = sh.dp_guarantee(ledger, ns.delta, protects=pool, conditions=kept[:1] + [
+            f"per-example differences clipped to {zcfg.clip}, Poisson sampling"])
+        return g, sh.risk_record(g["epsilon"], ns.delta)
+    mi = ledger.mutual_information()
+    post = pac.mia_posterior_bound(mi, 0.5)
+    g = {"kind": "pac_mi", "mutual_information_nats": mi, "membership_prior": 0.5,
+         "mia_posterior_bound": post, "num_subsets": zcfg.num_subsets, "protects": pool,
+         "against": "anyone who sees this release and every update of the run",
+         "conditions": kept + ["each pool example is in exactly half of the candidate subsets"]}
+    return g, {"mutual_information_nats": mi, "mia_posterior_bound": post,
+               "epsilon_at_same_mia_level": pac.mi_to_epsilon(mi, ns.delta),
+               "delta_for_epsilon_match": ns.delta}
+
+
+def run(ns: argparse.Namespace) -> int:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from pavejax.data import load_task
+    from pavejax.lifecycle import apply_head, example_loss
+    from pavejax.paczero import init_state, train
+
+    _check_flags(ns)
+    model = sh.load_model_release(ns.model)
+    task = load_task(ns.task, seed=ns.seed, max_train=ns.pool_size, max_dev=ns.dev_size,
+                     max_test=ns.test_size)
+    if tuple(task.label_names) != model.classes:
+        raise ValueError(f"the model predicts {list(model.classes)} but task {ns.task!r} has "
+                         f"classes {list(task.label_names)}: adapt a model of this label space "
+                         f"(e.g. merge models with --base-classes "
+                         f"{','.join(task.label_names)})")
+    seq_len = int(model.data.get("seq_len", 32))
+    pool = sh.features(task.train.inputs, task.train.labels, seq_len)
+    dev = sh.features(task.dev.inputs, task.dev.labels, seq_len)
+    test = sh.features(task.test.inputs, task.test.labels, seq_len)
+    n = int(pool["y"].shape[0])
+    zcfg = _config(ns, n)
+
+    @jax.jit
+    def dev_loss(p):
+        logp = jax.nn.log_softmax(apply_head(p, dev["x"]))
+        return jnp.mean(-jnp.take_along_axis(logp, dev["y"][:, None], 1))
+
+    start_dev = float(dev_loss(model.params))
+    state = init_state(zcfg, model.params, n, public_seed=ns.seed,
+                          mechanism_seed=np.random.SeedSequence())
+    state = train(zcfg, example_loss, state, None, pool, dev_fn=lambda p: float(dev_loss(p)),
+                     progress=ns.progress)
+    improved = state.best is not None and state.best_dev < start_dev
+    final = jax.tree.map(jnp.asarray, state.best) if improved else model.params
+    before, after = (sh.accuracy(p, test, model.classes) for p in (model.params, final))
+    led = state.ledger(zcfg, n, label=f"paczero/{ns.mechanism}")
+    guarantee, risk = _guarantee(ns, zcfg, led, n, ns.task)
+    ledger = None if ns.mechanism == "mezo" else led
+    extra = {"task": ns.task, "classes": list(model.classes),
+             "test_accuracy": after, "test_accuracy_before": before,
+             "data": {"task": ns.task, "seed": ns.seed, "pool_size": n, "seq_len": seq_len},
+             "selection": {"start_dev_loss": start_dev, "best_dev_loss": state.best_dev,
+                           "selected_step": state.best_step if improved else 0},
+             "unanimity_rate": state.unanimity_rate,
+             "upstream": {"release": ns.model.name, "kind": model.meta.kind,
+                          "mechanism": model.meta.mechanism, "guarantee": model.meta.guarantee,
+                          "ledger": model.meta.ledger,
+                          "note": "the input model's guarantee on its own training data"},
+             "model": "linear head on frozen all-MiniLM-L6-v2 mean-pooled features"}
+    hyper = {"mechanism": ns.mechanism, "steps": ns.steps, "learning_rate": ns.lr,
+             "eps": ns.zo_eps, "num_subsets": zcfg.num_subsets, "mi_budget": ns.mi_budget,
+             "dp_epsilon": ns.epsilon, "dp_batch_size": zcfg.dp_batch_size,
+             "dp_noise_multiplier": state.dp_noise_multiplier, "public_seed": ns.seed}
+    digest = sh.save_model_release(ns.out, final, kind="model",
+                                   mechanism=f"paczero-{ns.mechanism}" if ns.mechanism in
+                                   ("zpl", "mi") else ns.mechanism, ledger=ledger,
+                                   guarantee=guarantee, risk=risk, hyperparameters=hyper,
+                                   extra=extra, overwrite=ns.overwrite)
+    summary = {"out": str(ns.out), "content_hash": digest, "mechanism": ns.mechanism,
+               "steps": state.step, "test_accuracy_before": before, "test_accuracy": after,
+               "guarantee": guarantee}
+    if guarantee["kind"] == "pac_mi":
+        what = (f"PAC: {guarantee['mutual_information_nats']:.4g} nats of mutual information; "
+                f"membership posterior <= {guarantee['mia_posterior_bound']:.4f} (prior 0.5)")
+    elif guarantee["kind"] == "dp":
+        what = f"dp epsilon={guarantee['epsilon']:.4g} at delta={ns.delta:g} (add/remove)"
+    else:
+        what = "none (not private)"
+    sh.emit(ns, summary, [
+        f"adapted with {ns.mechanism} on {n} private examples of {ns.task!r} ({state.step} "
+        f"steps, unanimity rate {state.unanimity_rate:.3f})",
+        f"test accuracy: {before:.4f} -> {after:.4f}",
+        f"guarantee: {what}",
+        f"model release: {ns.out} (content hash {digest})"])
+    return 0

@@ -1,0 +1,212 @@
+"""``pavejax spec``: a PAVE spec release, model side (DP-S-PAVE) or user side.
+
+Model side: fit the LoRA ``B`` factors of all-MiniLM-L6-v2 (the dock's secret ``A``) to a model
+release's own predictions on the training inputs of its task (one full-batch DP-S-PAVE step,
+:mod:`pavejax.pave.spec`). User side: fit ``B`` to a user's few labelled shots, non-private by
+default (the user spec stays in the user's process and only drives a search) or DP-S-PAVE with
+``--epsilon``. Either way the spec lives in the dock's parameter space (backbone, layers, rank,
+``A``); its ``A`` hash is released, ``A`` and its key never are.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from pathlib import Path
+
+from pavejax.commands import _shared as sh
+
+DESCRIPTION = (
+    "Write a PAVE spec release in the parameter space of a dock. Model side (--model): a "
+    "DP-S-PAVE spec of a model release, computed on the training inputs of its task; it is "
+    "(epsilon, delta)-DP with respect to replacing one spec example (replace-one neighbouring, "
+    "sensitivity 2C), against everyone, including holders of the dock's A key. User side "
+    "(--user-task): a spec of a user's few labelled shots; without --epsilon it is NOT private "
+    "(keep it in your process: it is meant only for 'pavejax dock search'), with --epsilon it "
+    "is DP-S-PAVE. The dock's secret A key is read from the dock and never written. "
+    + sh.NOISE_SECRET)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    sh.describe(p, DESCRIPTION)
+    p.add_argument("--dock", type=Path, required=True,
+                   help="the dock whose secret A key and parameter space the spec uses")
+    side = p.add_mutually_exclusive_group(required=True)
+    side.add_argument("--model", type=Path, help="model release directory (model side)")
+    side.add_argument("--user-task", help=f"user side: the user's task "
+                                          f"({', '.join(sh.TEXT_TASKS)})")
+    p.add_argument("--task", default=None,
+                   help="model side: the task whose training inputs are the spec data "
+                        "(default: the task the model was trained on)")
+    p.add_argument("--shots", type=sh.positive_int, default=8,
+                   help="user side: labelled shots per class (default %(default)s)")
+    p.add_argument("--epsilon", type=sh.positive_float, default=None,
+                   help="DP-S-PAVE budget: the spec is (epsilon, --delta)-DP with respect to "
+                        "replacing one example of the spec data (the model's training inputs "
+                        "or the user's shots); noise calibrated by the RDP accountant. "
+                        "Default: 4 on the model side, none (non-private) on the user side")
+    p.add_argument("--delta", type=float, default=1e-5, help=sh.DELTA_HELP)
+    p.add_argument("--clip", type=sh.positive_float, default=0.05,
+                   help="DP-S-PAVE joint L2 clip C of each example's gradient on all B blocks")
+    p.add_argument("--examples", type=sh.positive_int, default=256,
+                   help="model side: at most this many training inputs are the spec data")
+    p.add_argument("--rank", type=sh.positive_int, default=None,
+                   help="LoRA rank r (default: the dock's, or 8 for an empty dock)")
+    p.add_argument("--layers", default=None,
+                   help="comma-separated encoder layers adapted (default: the dock's, or 4,5)")
+    p.add_argument("--seq-len", type=sh.positive_int, default=None,
+                   help="tokens per text (default: the model's; 32 on the user side)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="user side: public seed of the task split and the shot choice")
+    sh.add_output_arguments(p, "spec")
+
+
+def _parse_layers(text: str | None) -> tuple[int, ...] | None:
+    if text is None:
+        return None
+    try:
+        layers = tuple(sorted({int(t) for t in text.split(",") if t.strip()}))
+    except ValueError:
+        raise ValueError(f"--layers must be comma-separated integers, e.g. 4,5; got {text!r}") \
+            from None
+    if not layers:
+        raise ValueError("--layers is empty; give e.g. 4,5")
+    return layers
+
+
+def dock_space(signature, rank: int | None, layers: tuple[int, ...] | None):
+    """(rank, layers) of a spec for a dock: the dock's own once it holds specs; an explicit
+    value that contradicts the dock is refused (its specs could not be compared)."""
+    if signature is None:
+        return rank or 8, layers or (4, 5)
+    dock_layers = tuple(sorted({int(p.split("/")[p.split("/").index("layers") + 1])
+                                for p in signature.layers}))
+    for name, mine, theirs in (("rank", rank, signature.rank),
+                               ("layers", layers, dock_layers)):
+        if mine is not None and mine != theirs:
+            raise ValueError(f"--{name} {mine} differs from the dock's {theirs}: specs are "
+                             f"comparable only in the dock's space; drop --{name}")
+    return signature.rank, dock_layers
+
+
+def _private_info(spec, **facts):
+    # The spec records its config; drop the seed (the noise seed is secret) and say so.
+    from pavejax.pave.types import PaveSpec
+
+    info = dict(spec.info)
+    config = {k: v for k, v in dict(info.get("config", {})).items() if k != "seed"}
+    info["config"] = config | {"noise_seed": "fresh from the OS, secret, not recorded"}
+    return PaveSpec(spec.vector, spec.signature, spec.kind, info | facts)
+
+
+def run(ns: argparse.Namespace) -> int:
+    from pavejax.pave.dock import Dock
+    from pavejax.pave.spec import PrivacyConfig, SpecConfig
+    from pavejax.release import save_spec
+
+    if ns.model is None and ns.task is not None:
+        raise ValueError("--task is for the model side (with --model); the user side takes "
+                         "--user-task")
+    with Dock.open(ns.dock) as dock:
+        a_key, signature = dock.a_key(), dock.signature
+    rank, layers = dock_space(signature, ns.rank, _parse_layers(ns.layers))
+    epsilon = ns.epsilon if ns.epsilon is not None or ns.model is None else 4.0
+    privacy = None if epsilon is None else PrivacyConfig(
+        target_epsilon=epsilon, l2_clip=ns.clip, sampling="full", accountant="rdp",
+        delta=ns.delta, microbatch_size=32)
+    config = SpecConfig.preset("one_step", rank=rank, progress=False, privacy=privacy,
+                               seed=sh.secret_seed())
+    if ns.model is not None:
+        res, facts, seq_len = _model_side(ns, config, a_key, layers)
+    else:
+        res, facts, seq_len = _user_side(ns, config, a_key, layers)
+    spec = _private_info(res.spec, seq_len=seq_len, **facts)
+    g = spec.info["guarantee"]
+    if g["kind"] == "dp":
+        risk = sh.risk_record(g["epsilon"], g["delta"]) | {
+            "amplification_note": "amplification_bound: the extra advantage of seeing the spec "
+                                  "next to the model over the model alone (Theorem 4.3)"}
+    else:
+        risk = {"note": "non-private spec: no risk bound; keep it in your process"}
+    digest = save_spec(ns.out, spec, risk=risk, overwrite=ns.overwrite)
+    summary = {"out": str(ns.out), "content_hash": digest, "kind": spec.kind,
+               "dim": int(spec.vector.shape[0]), "rank": rank, "layers": list(layers),
+               "guarantee": g, **facts}
+    eps = (f"epsilon={g['epsilon']:.4g} at delta={g['delta']:g} (replace one spec example)"
+           if g["kind"] == "dp" else "non-private")
+    sh.emit(ns, summary, [
+        f"{spec.kind} spec of {facts['task']!r}: dim {summary['dim']} (rank {rank}, layers "
+        f"{','.join(map(str, layers))}), {facts['num_examples']} examples; {eps}",
+        f"spec release: {ns.out} (content hash {digest})"])
+    return 0
+
+
+def _microbatched(config, n: int):
+    # per-example gradients in chunks of at most 32 (memory); never more than the data (the
+    # padded full batch must hold whole chunks)
+    if config.privacy is None:
+        return config
+    return dataclasses.replace(config, privacy=dataclasses.replace(
+        config.privacy, microbatch_size=min(32, n)))
+
+
+def _model_side(ns, config, a_key, layers):
+    import numpy as np
+
+    from pavejax.data import load_task
+    from pavejax.lifecycle import apply_head
+
+    model = sh.load_model_release(ns.model)
+    data = model.data
+    task_name = ns.task or data.get("task")
+    if task_name is None:
+        raise ValueError(f"{ns.model} does not record its task; pass --task")
+    seq_len = ns.seq_len or int(data.get("seq_len", 32))
+    same = task_name == data.get("task")
+    task = load_task(task_name, seed=int(data.get("seed", 0)) if same else 0,
+                     max_train=int(data.get("train_size", ns.examples)) if same else ns.examples)
+    texts = list(task.train.inputs)[:ns.examples]
+    x = sh.features(texts, np.asarray(task.train.labels)[:len(texts)], seq_len)["x"]
+    tb = sh.text_backbone(seq_len, layers)
+    logits = np.asarray(apply_head(model.params, x))
+    res = tb.model_spec(texts, logits, model.classes, a_key, _microbatched(config, len(texts)),
+                        task=task_name)
+    facts = {"task": task_name, "num_examples": len(texts), "classes": list(model.classes),
+             "model_content_hash": _content_hash(ns.model)}
+    if same and model.meta.guarantee.get("kind") == "dp" and res.ledger_add_remove is not None:
+        facts["composed_with_model"] = _composed(model.meta, res.ledger_add_remove)
+    return res, facts, seq_len
+
+
+def _composed(model_meta, spec_ledger) -> dict:
+    # The spec data are training examples of the model: an example's total loss composes both.
+    from pavejax.accounting import Ledger
+
+    delta = float(model_meta.guarantee["delta"])
+    total = Ledger.from_dict(model_meta.ledger).compose(spec_ledger)
+    return {"epsilon_add_remove": total.epsilon(delta), "delta": delta,
+            "note": "the spec data are training examples of the model; for them the model and "
+                    "the spec together are (epsilon_add_remove, delta)-DP (add/remove)"}
+
+
+def _user_side(ns, config, a_key, layers):
+    from pavejax.data import few_shot, load_task
+
+    seq_len = ns.seq_len or 32
+    task = load_task(ns.user_task, seed=ns.seed)
+    shots = few_shot(task, ns.shots, seed=ns.seed).train
+    classes = tuple(task.label_names)
+    tb = sh.text_backbone(seq_len, layers)
+    if config.privacy is None:
+        config = dataclasses.replace(config, seed=0)  # no noise: the seed is irrelevant
+    res = tb.user_spec(list(shots.inputs), shots.labels, classes, a_key,
+                       _microbatched(config, len(shots.inputs)), task=ns.user_task)
+    facts = {"task": ns.user_task, "num_examples": len(shots.inputs), "classes": list(classes),
+             "shots_per_class": ns.shots}
+    return res, facts, seq_len
+
+
+def _content_hash(path: Path) -> str:
+    from pavejax.release import content_hash
+
+    return content_hash(path)
