@@ -35,9 +35,11 @@ and the white-box Dirac canary (tightness). Summary keys: ``top1_eps4`` (dev set
 
 ``--quick``: the quick market, 3 noise draws, 10k audit runs, 200k white-box runs at eps 1 and 4
 (about 4.5 CPU-minutes; the MiniLM gradient sums dominate). Full: the full market, 10 draws,
-50k / 1M runs at every eps (sized for one GPU). With the market's 64-96 (quick) or 128-192
-(full) spec examples per developer, DP-S-PAVE at eps = 4 stays well below the non-private top-1:
-the noise sigma C is compared with a clipped sum of per-example gradients that mostly cancel.
+50k / 1M runs at every eps (sized for one GPU; about 16 CPU-minutes). What limits accuracy: the
+noise sigma C is compared with a clipped sum of per-example gradients that largely cancel, so
+the quick market's 64-96 spec examples per developer are too few at eps = 4, the full market's
+128-192 come within a few points, and few-shot user specs (20-50 examples, setting ``both``)
+are dominated by noise at every eps <= 8.
 """
 
 from __future__ import annotations
