@@ -22,10 +22,11 @@ Fast path (exact, checked): a one-step spec is a function of per-data-set sums t
 on epsilon or the seed. The benchmark computes, in fixed-size microbatches with the DP engine's
 own clipping (:func:`pavejax.privacy.clipped_sum`), the clipped gradient sum S of each data set
 once and releases ``B = -(S + N(0, (sigma C)^2)) / n`` with :func:`pavejax.privacy.privatize_sum`
-and the noise key that ``generate_spec`` uses for that seed; non-private specs of every rank are
-``B_r = -A_r^T G / n`` from the full-weight gradient G. ``parity_*`` in the summary compares both
-with real :func:`pavejax.pave.spec.generate_spec` calls on one developer (relative max
-difference, and the calibrated sigma and claimed epsilon).
+and the noise key ``jax.random.key(seed)`` (``generate_spec(noise_key=...)`` replays it; a real
+release draws its key fresh from the OS, which is the same distribution); non-private specs of
+every rank are ``B_r = -A_r^T G / n`` from the full-weight gradient G. ``parity_*`` in the
+summary compares both with real :func:`pavejax.pave.spec.generate_spec` calls on one developer
+(relative max difference, and the calibrated sigma and claimed epsilon).
 
 Audit rows (toy model, see ``_pave_privacy_audits.py``): black-box disclosure and amplification
 games per epsilon (audit epsilon next to claimed), non-private PAVE with A known and A secret,
@@ -166,7 +167,7 @@ def nonprivate_vector(g_w: dict, n: int, A: dict) -> np.ndarray:
 
 
 def dp_vector(s_clip: dict, n: int, sigma: float, l2_clip: float, seed: int) -> np.ndarray:
-    """The DP-S-PAVE one-step release for ``SpecConfig.seed = seed`` (generate_spec's keys)."""
+    """The DP-S-PAVE one-step release with noise key ``jax.random.key(seed)``."""
     k_noise = jax.random.split(jax.random.fold_in(jax.random.key(seed), 0))[1]
     g = privatize_sum(s_clip, k_noise, noise_multiplier=sigma, sensitivity=l2_clip,
                       expected_batch_size=float(n))
@@ -289,7 +290,7 @@ def parity(cfg: Config, market, tb, a_key, sums, devs, calibrated) -> dict[str, 
     out["parity_nonprivate"] = float(np.abs(res.spec.vector - nonprivate_vector(
         g_w, n, sums.A)).max() / np.abs(res.spec.vector).max())
     config, sigma, claimed = calibrated.get(4.0) or calibrate(tb, cfg, 4.0)
-    res = tb.model_spec(texts, logits, d.classes, a_key, dataclasses.replace(config, seed=1))
+    res = tb.model_spec(texts, logits, d.classes, a_key, config, noise_key=jax.random.key(1))
     out["parity_dp_noise_multiplier"] = abs(res.spec.info["noise_multiplier"] - sigma)
     out["parity_dp_eps4"] = float(np.abs(res.spec.vector - dp_vector(
         s_clip, n, sigma, cfg.l2_clip, 1)).max() / np.abs(res.spec.vector).max())

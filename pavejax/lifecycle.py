@@ -149,11 +149,16 @@ def _accuracy(params, data, classes, user_classes) -> float:
 # --- the run ---------------------------------------------------------------------------------
 
 
-def train_developer(cfg: LifecycleConfig, task_name: str, index: int = 0):
+def train_developer(cfg: LifecycleConfig, task_name: str, noise_key: jax.Array | None = None):
     """DP-Merging fine-tuning of one developer's head; returns (params, classes, train data,
-    train texts, test accuracy, TrainResult, MergeTrainConfig)."""
+    train texts, test accuracy, TrainResult, MergeTrainConfig).
+
+    ``noise_key``: the key of the sampling and the noise; None (the default) draws a fresh one
+    from the operating system. Pass one only to replay a run: it makes the noise removable.
+    """
     from pavejax.data import load_task
     from pavejax.merging import train as mt
+    from pavejax.privacy import fresh_key
 
     task = load_task(task_name, seed=cfg.seed, max_train=cfg.dev_train, max_test=cfg.dev_test)
     classes = tuple(task.label_names)
@@ -166,7 +171,7 @@ def train_developer(cfg: LifecycleConfig, task_name: str, index: int = 0):
                                learning_rate=cfg.dev_lr)
     params0 = head0(int(train["x"].shape[1]), classes)
     res = mt.train_task(example_loss, params0, None, train,
-                        jax.random.key(cfg.seed * 1000 + index), mcfg)
+                        fresh_key() if noise_key is None else noise_key, mcfg)
     acc = _accuracy(res.params, test, classes, classes)
     return res.params, classes, train, list(task.train.inputs), acc, res, mcfg
 
@@ -214,7 +219,7 @@ def run_lifecycle(cfg: LifecycleConfig, log: Callable[[str], None] = print) -> d
     # 1. developers ---------------------------------------------------------------------------
     ledgers: dict[str, Any] = {}
     developers: dict[str, Any] = {}
-    for i, name in enumerate(cfg.developers):
+    for name in cfg.developers:
         if f"dev-{name}" in existing:  # a dock given with --dock may hold it already
             meta = dock.get(f"dev-{name}").metadata
             ledgers[f"developer/{name}"] = meta.get("ledger", {})
@@ -223,7 +228,7 @@ def run_lifecycle(cfg: LifecycleConfig, log: Callable[[str], None] = print) -> d
             stage(f"developer {name}: already in the dock, reused")
             continue
         stage(f"developer {name}: DP-Merging fine-tuning (epsilon {cfg.dev_epsilon})")
-        params, classes, train, texts, acc, res, mcfg = train_developer(cfg, name, i)
+        params, classes, train, texts, acc, res, mcfg = train_developer(cfg, name)
         stage(f"developer {name}: own test accuracy {acc:.3f}; DP-S-PAVE spec "
               f"(epsilon {cfg.spec_epsilon})")
         spec = developer_spec(cfg, tb, a_key, params, classes, train, texts, name)
@@ -323,8 +328,9 @@ def adapt_zpl(cfg: LifecycleConfig, params: dict, pool: dict, dev: dict):
         return float(dev_loss_jit(p))
 
     n = int(pool["y"].shape[0])
+    # the mechanism's noise comes from fresh OS entropy; only the probe directions are public
     state = init_state(zcfg, params, n, public_seed=cfg.seed + 7,
-                          mechanism_seed=np.random.SeedSequence(cfg.seed + 11))
+                       mechanism_seed=np.random.SeedSequence())
     start_dev = dev_loss(params)
     state = zt_train(zcfg, example_loss, state, None, pool, dev_fn=dev_loss,
                      progress=cfg.progress)

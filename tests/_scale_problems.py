@@ -101,11 +101,15 @@ def spec_config(steps: int = STEPS, **priv) -> SpecConfig:
                       privacy=privacy)
 
 
-def run_spec(checkpointer=None, mesh=None, steps: int = STEPS, **priv):
+SPEC_NOISE_KEY = 21  # a replayable noise key, so that runs can be compared bit for bit
+
+
+def run_spec(checkpointer=None, mesh=None, steps: int = STEPS, noise_key="fixed", **priv):
     inputs, targets = spec_task()
+    key = jax.random.key(SPEC_NOISE_KEY) if noise_key == "fixed" else noise_key
     return generate_spec(spec_logits, spec_backbone(), _kernels, inputs, targets,
                          jax.random.key(5), spec_config(steps, **priv), kind="user",
-                         checkpointer=checkpointer, mesh=mesh)
+                         checkpointer=checkpointer, mesh=mesh, noise_key=key)
 
 
 # ------------------------------------------------------------------ PACZero on logistic regression

@@ -200,3 +200,14 @@ def test_dp_s_pave_budget_and_run_guards(tmp_path):
         PR.run_spec(ckpt, steps=2)
         with pytest.raises(RunMismatchError, match="l2_clip"):
             PR.run_spec(ckpt, steps=2, l2_clip=1.0)
+
+
+def test_dp_s_pave_resume_takes_the_checkpoint_noise_key(tmp_path):
+    whole = PR.run_spec(steps=3)  # noise key PR.SPEC_NOISE_KEY throughout
+    with TrainCheckpointer(tmp_path / "run") as ckpt:
+        PR.run_spec(ckpt, steps=2)  # the same key, stopped after step 2
+        with pytest.raises(ValueError, match="noise_key differs"):
+            PR.run_spec(ckpt, steps=3, noise_key=jax.random.key(0))
+        resumed = PR.run_spec(ckpt, steps=3, noise_key=None)  # a fresh key would differ
+    assert resumed.spec.vector.tobytes() == whole.spec.vector.tobytes()
+    assert resumed.ledger == whole.ledger

@@ -333,6 +333,28 @@ def test_target_epsilon_calibrates_joint_and_per_layer(key):
     assert "sqrt(L)" in " ".join(out["per_layer"].spec.info["guarantee"]["conditions"])
 
 
+def test_dp_noise_key_is_fresh_unless_given_and_checked(key):
+    inputs, y = _task(0, 12, 0)
+    cfg = SpecConfig(rank=2, steps=1, progress=False, learning_rate=1.0, optimizer="sgd",
+                     privacy=PrivacyConfig(noise_multiplier=1.0, sampling="full",
+                                           accountant="rdp"))
+    a, b = (user_spec(_toy_logits, _backbone(), _kernels, inputs, y, 2, key, cfg, aux=HEAD)
+            for _ in range(2))
+    assert np.abs(a.spec.vector - b.spec.vector).max() > 1e-4  # fresh noise each release
+    assert a.spec.info["noise_key"].startswith("fresh")
+    c, d = (user_spec(_toy_logits, _backbone(), _kernels, inputs, y, 2, key, cfg, aux=HEAD,
+                      noise_key=jax.random.key(4)) for _ in range(2))
+    np.testing.assert_array_equal(c.spec.vector, d.spec.vector)  # a replay
+    assert c.spec.info["noise_key"].startswith("supplied")
+    with pytest.raises(TypeError, match="noise_key must be one typed PRNG key"):
+        user_spec(_toy_logits, _backbone(), _kernels, inputs, y, 2, key, cfg, aux=HEAD,
+                  noise_key=4)
+    with pytest.raises(ValueError, match="apply to DP-S-PAVE only"):
+        user_spec(_toy_logits, _backbone(), _kernels, inputs, y, 2, key,
+                  SpecConfig(rank=2, steps=1, progress=False), aux=HEAD,
+                  noise_key=jax.random.key(4))
+
+
 def test_fixed_size_sampling_claims_replace_one_only(key):
     inputs, y = _task(0, 40, 0)
     cfg = SpecConfig.preset("quick", rank=2, steps=2, batch_size=10, progress=False,

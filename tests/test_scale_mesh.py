@@ -72,6 +72,18 @@ def test_dp_s_pave_eight_devices_equal_one(mesh8):
     assert many.ledger == one.ledger
 
 
+def test_dp_s_pave_microbatch_larger_than_the_data(mesh8):
+    # 12 rows, microbatch 32, 8 devices: the microbatch shrinks to the batch (no padding past
+    # the device multiple), and the release equals one device's
+    inputs, targets = P.spec_task(n=12)
+    cfg = P.spec_config(1, microbatch_size=32)
+    runs = [P.generate_spec(P.spec_logits, P.spec_backbone(), P._kernels, inputs, targets,
+                            jax.random.key(5), cfg, kind="user", mesh=mesh,
+                            noise_key=jax.random.key(1)) for mesh in (None, mesh8)]
+    np.testing.assert_allclose(runs[1].spec.vector, runs[0].spec.vector, rtol=1e-4, atol=1e-6)
+    assert runs[0].spec.info["num_examples"] == 12
+
+
 @pytest.mark.parametrize("mechanism", ["dpzo", "mi"])
 def test_paczero_on_a_sharded_pool_equals_one_device(mesh8, mechanism):
     cfg = P.zo_config(mechanism, eval_every=0)

@@ -111,7 +111,8 @@ def test_dp_s_pave_resumes_bit_identical(killed):
     directory = _killed_midway(killed, "dp-s-pave")
     whole = P.run_spec()
     with TrainCheckpointer(directory) as ckpt:
-        resumed = P.run_spec(checkpointer=ckpt)
+        # no noise_key: the resumed run must take the killed run's key from its checkpoint
+        resumed = P.run_spec(checkpointer=ckpt, noise_key=None)
     assert resumed.spec.vector.tobytes() == whole.spec.vector.tobytes()
     assert _same_bits(resumed.B, whole.B)
     assert resumed.ledger == whole.ledger and len(resumed.ledger) == P.STEPS

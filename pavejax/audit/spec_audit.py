@@ -5,7 +5,9 @@
 :func:`pavejax.privacy.noisy_gradient`, same sampling keys ``fold_in(key(seed), step)``, same
 optimiser) as one jitted ``vmap`` over seeds of a ``lax.scan`` over steps, so thousands of
 releases of a small model cost seconds instead of thousands of host loops. For a given seed it
-returns the vector that ``generate_spec`` with ``config.seed = seed`` releases (tested).
+returns the vector that ``generate_spec`` with ``noise_key=jax.random.key(seed)`` releases
+(tested). A real release draws its key fresh from the OS; the audit plays the mechanism with
+chosen keys, which is the same distribution.
 
 Neighbouring data sets for the distinguishing game:
 
@@ -65,8 +67,8 @@ class SpecSampler:
     Build with :func:`spec_sampler`; call as ``sampler(inputs, targets, seeds, a_key)``:
 
     * ``inputs``, ``targets``: the spec data, as for ``generate_spec``;
-    * ``seeds``: int sequence (R,) of ``SpecConfig.seed`` values, one release per seed (the
-      mechanism key of a run is ``jax.random.key(seed)``, as ``generate_spec`` derives it);
+    * ``seeds``: int sequence (R,), one release per seed: the run's noise and sampling key is
+      ``jax.random.key(seed)`` (``generate_spec(noise_key=jax.random.key(seed))``);
     * ``a_key``: one PRNG key (the same ``A`` for every run: an adversary that holds the dock's
       key) or a key array (R,) (a fresh secret ``A`` per run: the intrinsic-sketch setting);
     * ``absent``: optional bool (n,): rows that never enter a batch (the add/remove neighbour of
@@ -285,10 +287,11 @@ def spec_sampler(logits_fn: spec_lib.LogitsFn, backbone: spec_lib.Backbone,
       chunk: runs per compiled call (memory vs. dispatch overhead).
 
     For a seed ``s`` and a fixed key the sampler returns what ``generate_spec`` with
-    ``config.seed = s`` releases (up to float summation order). Non-private specs are supported
-    for full-batch training only (the non-private minibatch order comes from a host RNG that is
-    not replicated); with ``steps=1`` and SGD this is the ``"one_step"`` recipe, whose trajectory
-    does not depend on ``A``. Raises ``ValueError`` on unsupported settings.
+    ``noise_key=jax.random.key(s)`` releases (up to float summation order). Non-private specs
+    are supported for full-batch training only (the non-private minibatch order comes from a
+    host RNG that is not replicated); with ``steps=1`` and SGD this is the ``"one_step"``
+    recipe, whose trajectory does not depend on ``A``. Raises ``ValueError`` on unsupported
+    settings.
     """
     return SpecSampler(logits_fn, backbone, predicate, config, aux, chunk)
 

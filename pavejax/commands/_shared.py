@@ -15,7 +15,6 @@ import argparse
 import functools
 import json
 import math
-import secrets
 import textwrap
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -29,11 +28,6 @@ DELTA_HELP = ("delta of the (epsilon, delta) guarantee: the probability that the
               "may fail; keep it well below 1/n for n private examples (default %(default)g)")
 NOISE_SECRET = ("The noise and sampling keys are drawn fresh from the operating system and never "
                 "written anywhere, so nobody can regenerate and subtract the noise.")
-
-
-def secret_seed() -> int:
-    """A fresh 62-bit seed from the OS for noise and sampling keys (never recorded)."""
-    return secrets.randbits(62)
 
 
 def describe(p: argparse.ArgumentParser, description: str,

@@ -89,14 +89,10 @@ def dock_space(signature, rank: int | None, layers: tuple[int, ...] | None):
     return signature.rank, dock_layers
 
 
-def _private_info(spec, **facts):
-    # The spec records its config; drop the seed (the noise seed is secret) and say so.
+def _with_facts(spec, **facts):
     from pavejax.pave.types import PaveSpec
 
-    info = dict(spec.info)
-    config = {k: v for k, v in dict(info.get("config", {})).items() if k != "seed"}
-    info["config"] = config | {"noise_seed": "fresh from the OS, secret, not recorded"}
-    return PaveSpec(spec.vector, spec.signature, spec.kind, info | facts)
+    return PaveSpec(spec.vector, spec.signature, spec.kind, dict(spec.info) | facts)
 
 
 def run(ns: argparse.Namespace) -> int:
@@ -114,13 +110,13 @@ def run(ns: argparse.Namespace) -> int:
     privacy = None if epsilon is None else PrivacyConfig(
         target_epsilon=epsilon, l2_clip=ns.clip, sampling="full", accountant="rdp",
         delta=ns.delta, microbatch_size=32)
-    config = SpecConfig.preset("one_step", rank=rank, progress=False, privacy=privacy,
-                               seed=sh.secret_seed())
+    # DP-S-PAVE draws its noise key fresh from the OS (generate_spec's default)
+    config = SpecConfig.preset("one_step", rank=rank, progress=False, privacy=privacy)
     if ns.model is not None:
         res, facts, seq_len = _model_side(ns, config, a_key, layers)
     else:
         res, facts, seq_len = _user_side(ns, config, a_key, layers)
-    spec = _private_info(res.spec, seq_len=seq_len, **facts)
+    spec = _with_facts(res.spec, seq_len=seq_len, **facts)
     g = spec.info["guarantee"]
     if g["kind"] == "dp":
         risk = sh.risk_record(g["epsilon"], g["delta"]) | {
@@ -197,8 +193,6 @@ def _user_side(ns, config, a_key, layers):
     shots = few_shot(task, ns.shots, seed=ns.seed).train
     classes = tuple(task.label_names)
     tb = sh.text_backbone(seq_len, layers)
-    if config.privacy is None:
-        config = dataclasses.replace(config, seed=0)  # no noise: the seed is irrelevant
     res = tb.user_spec(list(shots.inputs), shots.labels, classes, a_key,
                        _microbatched(config, len(shots.inputs)), task=ns.user_task)
     facts = {"task": ns.user_task, "num_examples": len(shots.inputs), "classes": list(classes),

@@ -69,7 +69,7 @@ def run(ns: argparse.Namespace) -> int:
                               dev_clip=ns.clip, seed=ns.seed)
     # train_developer keys its noise with seed * 1000 + index: a fresh secret index makes the
     # key unguessable (the split seed stays public and reproducible).
-    params, classes, train, _, acc, res, mcfg = train_developer(cfg, ns.task, sh.secret_seed())
+    params, classes, train, _, acc, res, mcfg = train_developer(cfg, ns.task)
     n = int(train["y"].shape[0])
     mechanism = f"dp-merging (DP-SAM mode {ns.mode!r} + anchor {mcfg.anchor})"
     protects = (f"each training example (text and label) of the {n} used from task "

@@ -171,7 +171,9 @@ class SpecConfig:
       temperature: T of the soft targets.
       layer_scaling: ``"none"`` or ``"fan_in"`` (multiply layer l's block by sqrt(d_in/r), so
         that with Gaussian A the cosine weighs layers as cos(BA, B'A) does; post-processing).
-      seed: batch order (non-private) / sampling and noise (private). Not secret.
+      seed: batch order of the non-private spec. Public and recorded in the spec. DP-S-PAVE
+        never uses it: its sampling and noise come from a fresh OS-random key
+        (``generate_spec(noise_key=...)``).
       privacy: None (non-private) or a :class:`PrivacyConfig` (DP-S-PAVE).
       progress: show a progress bar.
     """
@@ -365,7 +367,8 @@ def generate_spec(logits_fn: LogitsFn, backbone: Backbone, predicate: lora.Predi
                   config: SpecConfig = SpecConfig(), *, kind: str = "model", aux: PyTree = None,
                   info: Mapping[str, Any] | None = None,
                   checkpointer: TrainCheckpointer | None = None,
-                  mesh: jax.sharding.Mesh | None = None) -> SpecResult:
+                  mesh: jax.sharding.Mesh | None = None,
+                  noise_key: jax.Array | None = None) -> SpecResult:
     """Train ``B`` (A frozen, from ``a_key``) so that ``logits_fn`` fits ``targets``.
 
     Args:
@@ -390,14 +393,23 @@ def generate_spec(logits_fn: LogitsFn, backbone: Backbone, predicate: lora.Predi
         the first step (``BudgetExceededError``).
       mesh: DP-S-PAVE only: a 1-D ``'data'`` mesh; each device clips its share of the batch
         (equal to one device up to float summation order).
+      noise_key: DP-S-PAVE only: the PRNG key of the sampling and the noise. Leave it None: a
+        fresh key is then drawn from the operating system and never recorded (a resumed run
+        takes the key from its checkpoint). Pass one only to replay a run in a test or an
+        audit: whoever knows the key can regenerate the noise and subtract it.
 
     Returns a :class:`SpecResult`. Raises ``ValueError`` on empty/NaN data and on training that
     diverges (a NaN spec is never returned).
     """
     n = _check_data(inputs, targets)
-    if config.privacy is None and (checkpointer is not None or mesh is not None):
-        raise ValueError("checkpointer and mesh apply to DP-S-PAVE only; set config.privacy "
-                         "(the non-private spec is cheap to recompute)")
+    if config.privacy is None and (checkpointer is not None or mesh is not None
+                                   or noise_key is not None):
+        raise ValueError("checkpointer, mesh and noise_key apply to DP-S-PAVE only; set "
+                         "config.privacy (the non-private spec is cheap to recompute)")
+    if noise_key is not None and not (isinstance(noise_key, jax.Array) and jax.dtypes.issubdtype(
+            noise_key.dtype, jax.dtypes.prng_key) and noise_key.shape == ()):
+        raise TypeError("noise_key must be one typed PRNG key (jax.random.key(...)); leave it "
+                        "None for a fresh secret key")
     data = {k: jnp.asarray(v) for k, v in inputs.items()}
     data["__target"] = jnp.asarray(targets, jnp.float32)
     lcfg = config.lora
@@ -405,7 +417,6 @@ def generate_spec(logits_fn: LogitsFn, backbone: Backbone, predicate: lora.Predi
     frozen = (A, backbone.params, aux)
     opt = _optimizer(config)
     opt_state = opt.init(B)
-    key = jax.random.key(config.seed)
     desc = f"{kind} spec" + (" (DP-S-PAVE)" if config.privacy else "")
     losses = []
     ledger = ledger_ar = None
@@ -430,12 +441,15 @@ def generate_spec(logits_fn: LogitsFn, backbone: Backbone, predicate: lora.Predi
         run = run_record("dp-s-pave", config, exclude=("steps", "progress"), sigma=sigma,
                          kind=kind, num_examples=n, backbone=backbone.hash, a_hash=lora.a_hash(A))
         out = run_dp_steps(dp_grad, lambda b, g, s: _apply(b, g, s, opt, config), B, opt_state,
-                           frozen, data, key, config.steps, accountant=priv.accountant,
+                           frozen, data, noise_key, config.steps, accountant=priv.accountant,
                            # fixed-size sampling without replacement is analysed under
                            # replace-one only
                            add_remove=sampling.kind != "fixed", checkpointer=checkpointer,
                            run=run, desc=desc, progress=config.progress)
         B, ledger, ledger_ar, losses = out.B, out.ledger, out.ledger_add_remove, out.losses
+        key_origin = ("supplied by the caller (replayable: not for release)"
+                      if noise_key is not None else
+                      "fresh from the operating system, never recorded")
         independent = False
     vec = _spec_vector(B, A, config)
     if not np.isfinite(vec).all():
@@ -446,6 +460,7 @@ def generate_spec(logits_fn: LogitsFn, backbone: Backbone, predicate: lora.Predi
                "config": _config_record(config)}
     if config.privacy is not None:
         record |= _privacy_record(config, sampling, sigma, ledger, ledger_ar)
+        record["noise_key"] = key_origin
     else:
         record |= {"mechanism": "pave", "guarantee": {
             "kind": "none", "trajectory_independent_of_A": independent,
@@ -494,9 +509,11 @@ def _dp_setup(logits_fn: LogitsFn, lcfg: lora.LoraConfig, n: int, config: SpecCo
     sampling = SamplingConfig(kind, dataset_size=n, batch_size=min(config.batch_size, n))
     if kind != "full" and sampling.batch_size == n:
         sampling = SamplingConfig("full", dataset_size=n)
-    if priv.microbatch_size is not None and sampling.max_batch % priv.microbatch_size:
-        mb = priv.microbatch_size
-        sampling = dataclasses.replace(sampling, max_batch=-(-sampling.max_batch // mb) * mb)
+    mb = priv.microbatch_size
+    if mb is not None:
+        mb = min(mb, sampling.max_batch)  # a microbatch larger than any batch is one batch
+        if sampling.max_batch % mb:
+            sampling = dataclasses.replace(sampling, max_batch=-(-sampling.max_batch // mb) * mb)
     sigma = priv.noise_multiplier
     if sigma is None:
         fixed = sampling.kind == "fixed"
@@ -508,7 +525,7 @@ def _dp_setup(logits_fn: LogitsFn, lcfg: lora.LoraConfig, n: int, config: SpecCo
     # DPConfig's multiplier is relative to the add/remove sensitivity C (per-layer: C sqrt(L));
     # the replace-one ledger doubles the sensitivity, i.e. noise sigma C vs sensitivity 2C.
     dp_cfg = DPConfig(priv.l2_clip, float(sigma), sampling, relation="replace_one",
-                      clipping=priv.clipping, microbatch_size=priv.microbatch_size)
+                      clipping=priv.clipping, microbatch_size=mb)
     return sampling, float(sigma), _dp_gradient(logits_fn, lcfg, dp_cfg, mesh)
 
 

@@ -138,20 +138,25 @@ class TextSpecBackbone:
 
     def model_spec(self, texts: Sequence[str], model_logits: np.ndarray,
                    classes: Sequence[str], a_key: jax.Array, config: SpecConfig = SpecConfig(),
-                   **info: Any) -> SpecResult:
-        """Developer side: fit ``model_logits`` (n, len(classes)) of the model on ``texts``."""
+                   *, noise_key: jax.Array | None = None, **info: Any) -> SpecResult:
+        """Developer side: fit ``model_logits`` (n, len(classes)) of the model on ``texts``.
+
+        ``noise_key``: as in :func:`pavejax.pave.spec.generate_spec` (None: fresh and secret).
+        """
         logits = np.asarray(model_logits)
         if logits.shape != (len(texts), len(classes)):
             raise ValueError(f"model_logits must have shape ({len(texts)}, {len(classes)}) "
                              f"(texts x classes), got {logits.shape}")
         return model_spec(self.logits_fn, self.backbone, self.predicate, self.encode(texts),
                           logits, a_key, config, aux=self.head(classes),
-                          info={"classes": list(classes), **info})
+                          info={"classes": list(classes), **info}, noise_key=noise_key)
 
     def user_spec(self, texts: Sequence[str], labels: np.ndarray, classes: Sequence[str],
                   a_key: jax.Array, config: SpecConfig = SpecConfig(),
-                  **info: Any) -> SpecResult:
-        """User side: fit few-shot ``labels`` (n,) indexing ``classes``."""
+                  *, noise_key: jax.Array | None = None, **info: Any) -> SpecResult:
+        """User side: fit few-shot ``labels`` (n,) indexing ``classes`` (``noise_key`` as
+        for :meth:`model_spec`)."""
         return user_spec(self.logits_fn, self.backbone, self.predicate, self.encode(texts),
                          np.asarray(labels), len(classes), a_key, config,
-                         aux=self.head(classes), info={"classes": list(classes), **info})
+                         aux=self.head(classes), info={"classes": list(classes), **info},
+                         noise_key=noise_key)

@@ -15,6 +15,7 @@ from pavejax.privacy.gradient import (
     noisy_gradient as noisy_gradient,
 )
 from pavejax.privacy.noise import (
+    fresh_key as fresh_key,
     gaussian_noise_like as gaussian_noise_like,
     privatize_sum as privatize_sum,
 )

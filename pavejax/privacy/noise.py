@@ -16,12 +16,27 @@ Sharp edges:
 from __future__ import annotations
 
 import math
+import secrets
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 PyTree = Any
+
+
+def fresh_key() -> jax.Array:
+    """A typed PRNG key filled from the operating system's randomness (``secrets``).
+
+    Use it for DP noise and sampling: a key derived from a recorded or guessable seed lets
+    anyone regenerate the noise and subtract it from the release. The key is never written
+    anywhere except a training checkpoint (which is not a release).
+    """
+    like = jax.random.key_data(jax.random.key(0))
+    raw = secrets.token_bytes(like.size * like.dtype.itemsize)
+    data = np.frombuffer(raw, dtype=like.dtype).reshape(like.shape)
+    return jax.random.wrap_key_data(jnp.asarray(data), impl=jax.random.key_impl(jax.random.key(0)))
 
 
 def gaussian_noise_like(key: jax.Array, tree: PyTree, stddev: float) -> PyTree:
