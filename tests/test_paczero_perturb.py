@@ -10,10 +10,13 @@ from pavejax.paczero import (
     clip_differences,
     direction,
     direction_keys,
+    mirror_point,
     per_example_losses,
     perturbed,
     two_point_differences,
+    update_from_mirror,
 )
+from pavejax.paczero.train import device_functions, zo_signals, zo_update
 
 # One jitted two-point function and one batch shape are shared by the tests: compilation, not
 # arithmetic, dominates their run time.
@@ -46,6 +49,12 @@ def test_direction_regenerates_per_leaf_from_the_key(key):
             assert int(a) == 0  # integer buffers are never perturbed
     other = direction(jax.random.fold_in(key, 1), p)
     assert not np.allclose(z1["w"], other["w"])
+    # Same-shaped leaves are drawn together (one lax.map per shape): still leaf by leaf.
+    many = {"big": jnp.zeros((8, 8)), **{f"s{j}": jnp.zeros((2, 3)) for j in range(3)}}
+    for i, z in enumerate(jax.tree.leaves(jax.jit(direction)(key, many))):
+        shape = jax.tree.leaves(many)[i].shape
+        np.testing.assert_array_equal(
+            z, jax.random.normal(jax.random.fold_in(key, i), shape, jnp.float32))
 
 
 def test_direction_keys_depend_only_on_step(key):
@@ -133,12 +142,8 @@ def test_apply_directions_is_mean_of_signed_directions(key):
     assert int(out["n"]) == 3
 
 
-def test_zo_step_memory_keeps_no_activations(key):
-    # Backprop keeps every layer's activations (batch x width x depth); a ZO step keeps none,
-    # so its temporary memory must not grow with the batch beyond one layer's activations.
-    width, depth = 128, 4
+def _mlp(width=128, depth=4):
     p = {f"l{i}": jnp.zeros((width, width), jnp.float32) for i in range(depth)}
-    param_bytes = depth * width * width * 4
 
     def loss(tr, fr, ex):
         h = ex["x"]
@@ -146,18 +151,96 @@ def test_zo_step_memory_keeps_no_activations(key):
             h = jnp.tanh(h @ tr[f"l{i}"])
         return jnp.sum(h)
 
-    def temp(batch):
-        data = {"x": jnp.ones((batch, width), jnp.float32)}
-        zo = jax.jit(lambda tr: two_point_differences(loss, tr, None, data, key, 1e-3))
-        return zo.lower(p).compile().memory_analysis().temp_size_in_bytes
+    return p, loss
 
-    small = temp(8)
-    grown = temp(512) - small
-    activations = 512 * width * 4 * depth  # what backprop would keep at batch 512
-    assert grown <= 0.5 * activations, (grown, activations)
-    # One transient perturbed copy (θ + εz, overwritten by θ − εz) and no leaf-sized random-bit
-    # buffers: well under two copies of θ on top of θ itself, never O(batch).
-    assert small <= 2.0 * param_bytes, small / param_bytes
+
+def test_zo_step_memory_is_inference_plus_one_copy(key):
+    # Backprop keeps every layer's activations (batch x width x depth); a ZO step keeps none.
+    # Its pieces: the forward (inference itself), θ + εz (one new copy of θ), the mirror and
+    # the update written in place over donated buffers (aliased, no new memory).
+    width, depth = 128, 4
+    p, loss = _mlp(width, depth)
+    param_bytes = depth * width * width * 4
+    fns = device_functions(loss, None)
+    eps = jnp.float32(1e-3)
+
+    def analysis(fn, *args):
+        return fn.lower(*args).compile().memory_analysis()
+
+    def forward_temp(batch):
+        return analysis(fns.forward, p, None, {"x": jnp.ones((batch, width))}).temp_size_in_bytes
+
+    grown = forward_temp(512) - forward_temp(8)
+    assert grown <= 0.5 * 512 * width * 4 * depth, grown  # what backprop would keep
+    pert = analysis(fns.perturb, p, key, eps)
+    assert pert.output_size_in_bytes <= 1.01 * param_bytes
+    assert pert.temp_size_in_bytes <= 0.25 * param_bytes  # at most one leaf of draws
+    for fn, args in [(fns.mirror, (p, p)),
+                     (fns.update_mirror, (p, p, jnp.ones((1,), jnp.float32), eps, eps)),
+                     (fns.update_keys, (p, direction_keys(key, 0, 1), jnp.ones((1,)), eps))]:
+        m = analysis(fn, *args)
+        assert m.alias_size_in_bytes == param_bytes  # written over the donated buffers
+        assert m.temp_size_in_bytes <= 0.3 * param_bytes, fn
+
+
+def test_split_step_matches_the_single_function_reference(key):
+    # The train loop's separate jits (perturb, forward, mirror in place, forward) compute
+    # the same differences as the one-function `two_point_differences`.
+    p, loss = _mlp(16, 2)
+    p = jax.tree.map(lambda a: a + 0.1, p)
+    x = jax.random.normal(key, (N, 16), jnp.float32)
+    fns = device_functions(loss, None)
+    keys = direction_keys(key, 3, 1)
+    eps, clip = jnp.float32(1e-2), jnp.float32(1e9)
+    out = zo_signals(fns, p, None, {"x": x}, jnp.ones((N,), bool), keys, eps, clip, None)
+    g, mirror = jax.jit(lambda tr: two_point_differences(
+        loss, tr, None, {"x": x}, keys[0], eps, return_mirror=True))(p)
+    np.testing.assert_allclose(out["sum"][0], jnp.sum(g), rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(out["mirror"]), jax.tree.leaves(mirror), strict=True):
+        np.testing.assert_array_equal(a, b)  # both are exactly 2θ − (θ + εz)
+    np.testing.assert_allclose(out["mirror"]["l0"], perturbed(p, keys[0], -1e-2)["l0"],
+                               atol=1e-7)
+
+
+def test_update_from_mirror_follows_the_regenerated_direction(key):
+    # (θ − mirror)/ε equals z up to float rounding, so the cheap update equals the one that
+    # draws z again, to a relative error far below the step itself.
+    p = {"w": jax.random.normal(key, (64, 32), jnp.float32) * 0.05,
+         "b": jnp.ones((32,), jnp.float32), "n": jnp.array(3, jnp.int32)}
+    k = direction_keys(key, 7, 1)
+    eps, lr, y = jnp.float32(1e-3), jnp.float32(1e-2), jnp.array([-1.0], jnp.float32)
+    mirror = mirror_point(p, perturbed(p, k[0], eps))
+    cheap = update_from_mirror(p, mirror, y, lr, eps)
+    exact = apply_directions(p, k, y, lr)
+    for name in ("w", "b"):
+        step = np.asarray(exact[name]) - np.asarray(p[name])
+        err = np.abs(np.asarray(cheap[name]) - np.asarray(exact[name]))
+        assert err.max() <= 2e-3 * np.abs(step).max(), name
+    assert int(cheap["n"]) == 3
+
+
+def test_donated_step_is_bit_identical_to_the_undonated_one(key):
+    # Donation only recycles buffers: three steps with the donating jits and with plain
+    # (non-donating) jits of the same functions give the same bits.
+    p, loss = _mlp(16, 2)
+    x = jax.random.normal(key, (N, 16), jnp.float32)
+    donating = device_functions(loss, None)
+    plain = donating._replace(mirror=jax.jit(mirror_point),
+                              update_mirror=jax.jit(update_from_mirror),
+                              update_keys=jax.jit(apply_directions))
+    eps, clip, lr = jnp.float32(1e-3), jnp.float32(10.0), jnp.float32(0.05)
+    mask = jnp.ones((N,), bool)
+    trajectories = []
+    for fns in (donating, plain):
+        theta = jax.tree.map(lambda a: a + 0.1, p)
+        for t in range(3):
+            keys = direction_keys(key, t, 1 + t % 2)  # K = 1 (mirror) and K = 2 (regenerated)
+            out = zo_signals(fns, theta, None, {"x": x}, mask, keys, eps, clip, None)
+            theta = zo_update(fns, theta, out, keys, jnp.sign(out["mean"]), lr, eps)
+        trajectories.append(jax.tree.map(np.asarray, theta))
+    for a, b in zip(*map(jax.tree.leaves, trajectories), strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert not np.allclose(trajectories[0]["l0"], 0.1)
 
 
 def test_fused_normal_is_bit_identical_to_jax(key):

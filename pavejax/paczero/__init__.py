@@ -24,9 +24,11 @@ from pavejax.paczero.perturb import (
     clip_differences,
     direction,
     direction_keys,
+    mirror_point,
     per_example_losses,
     perturbed,
     two_point_differences,
+    update_from_mirror,
 )
 from pavejax.paczero.subsets import (
     draw_secret,
@@ -35,13 +37,24 @@ from pavejax.paczero.subsets import (
     subset_signs,
     unanimous,
 )
-from pavejax.paczero.train import ZOConfig, ZOState, init_state, learning_rate, train
+from pavejax.paczero.train import (
+    DeviceFunctions,
+    ZOConfig,
+    ZOState,
+    device_functions,
+    init_state,
+    learning_rate,
+    train,
+    zo_signals,
+    zo_update,
+)
 
 __all__ = [
-    "KINDS", "MechanismState", "Release", "ZOConfig", "ZOState", "apply_directions",
-    "clip_differences", "direction", "direction_keys", "dpzo_release", "dpzo_step_event",
-    "draw_secret", "init_mechanism_state", "init_state", "learning_rate", "load_checkpoint",
-    "membership_matrix", "mezo_release", "mi_release", "per_example_losses", "per_step_budget",
-    "perturbed", "positive_mass", "save_checkpoint", "subset_means", "subset_signs", "train",
-    "two_point_differences", "unanimous", "zpl_release",
+    "KINDS", "DeviceFunctions", "MechanismState", "Release", "ZOConfig", "ZOState",
+    "apply_directions", "clip_differences", "device_functions", "direction", "direction_keys",
+    "dpzo_release", "dpzo_step_event", "draw_secret", "init_mechanism_state", "init_state",
+    "learning_rate", "load_checkpoint", "membership_matrix", "mezo_release", "mi_release",
+    "mirror_point", "per_example_losses", "per_step_budget", "perturbed", "positive_mass",
+    "save_checkpoint", "subset_means", "subset_signs", "train", "two_point_differences",
+    "unanimous", "update_from_mirror", "zo_signals", "zo_update", "zpl_release",
 ]

@@ -1,16 +1,20 @@
 """Seeded perturbations and per-example two-point differences (the zeroth-order signal).
 
 A direction z ~ N(0, I) over the trainable pytree is a pure function of a *public* key: leaf i
-gets ``normal(fold_in(key, i))``, drawn in float32 and cast to the leaf's dtype. z is never
-stored between steps; a step draws it twice, once for θ + εz and once for the update
-(θ − εz is the reflection 2θ − (θ + εz)). θ ± εz are built functionally from an untouched θ
-(no in-place +ε/−2ε/+ε drift), and the losses and their difference are taken in float32 even
+gets ``normal(fold_in(key, i))`` (bit for bit `jax.random.normal`), drawn in float32 and cast to
+the leaf's dtype. z is never stored between steps. A step draws it once: θ + εz is built
+functionally from an untouched θ (no in-place +ε/−2ε/+ε drift), θ − εz is its reflection
+2θ − (θ + εz), and the one-direction update θ − ηYz is taken along the realised perturbation
+(θ − (θ − εz))/ε (`update_from_mirror`), so no second draw is needed; with K > 1 directions the
+update regenerates each z_k (`apply_directions`). Losses and their difference are float32 even
 for bf16/fp16 weights:
 
     ĝ_i = (ℓ_i(θ + εz) − ℓ_i(θ − εz)) / (2ε)
 
-A step keeps no activations for backpropagation; besides θ it holds only the transient perturbed
-leaves (θ + εz, then θ − εz), which for LoRA are a few kilobytes.
+A step keeps no activations for backpropagation; besides θ it holds one perturbed copy (θ + εz,
+overwritten by θ − εz), which for LoRA is a few kilobytes, and one microbatch of activations.
+Same-shaped leaves draw their z in one loop (`lax.map`), so a transformer compiles ~10
+random-number kernels rather than ~100.
 
 The per-example loss has the signature of the DP engine, ``loss_fn(trainable, frozen, example)``
 returning a scalar; it is vmapped over the batch and evaluated in microbatches of static size.
@@ -29,8 +33,8 @@ import numpy as np
 from jax import lax
 
 __all__ = [
-    "apply_directions", "clip_differences", "direction", "direction_keys", "perturbed",
-    "per_example_losses", "two_point_differences",
+    "apply_directions", "clip_differences", "direction", "direction_keys", "mirror_point",
+    "perturbed", "per_example_losses", "two_point_differences", "update_from_mirror",
 ]
 
 PyTree = Any
@@ -86,16 +90,64 @@ def direction_keys(public_key: jax.Array, step: int | jax.Array, num_directions:
     They depend only on the public key and the step counter, never on data or on the
     mechanism's secret randomness. Shape (K,) of typed keys.
     """
+    return _direction_keys(public_key, jnp.asarray(step, jnp.uint32), num_directions)
+
+
+@functools.partial(jax.jit, static_argnums=2)
+def _direction_keys(public_key: jax.Array, step: jax.Array, num_directions: int) -> jax.Array:
+    # Jitted: unjitted, the vmapped fold_ins cost tens of milliseconds of dispatch per step.
     step_key = jax.random.fold_in(public_key, step)
-    return jax.vmap(lambda k: jax.random.fold_in(step_key, k))(jnp.arange(num_directions))
+    return jax.vmap(lambda k: jax.random.fold_in(step_key, k))(
+        jnp.arange(num_directions, dtype=jnp.uint32))
+
+
+def _float_groups(leaves: list, max_bytes: int | None = None) -> list[tuple[tuple, list[int]]]:
+    """Indices of the float leaves grouped by shape, each group at most ``max_bytes`` of
+    float32 (default: the largest leaf, so a group's stacked z is never bigger than it)."""
+    sizes = [4 * math.prod(jnp.shape(x)) for x in leaves if _is_float(x)]
+    cap = max(sizes, default=0) if max_bytes is None else max_bytes
+    by_shape: dict[tuple, list[int]] = {}
+    for i, x in enumerate(leaves):
+        if _is_float(x):
+            by_shape.setdefault(tuple(jnp.shape(x)), []).append(i)
+    groups = []
+    for shape, idx in by_shape.items():
+        per = max(1, cap // max(4 * math.prod(shape), 1))
+        groups += [(shape, idx[j:j + per]) for j in range(0, len(idx), per)]
+    return groups
+
+
+def _leaf_normals(key: jax.Array, leaves: list) -> list:
+    """z for every float leaf (None for the others): leaf i is ``normal(fold_in(key, i))``.
+
+    Leaves of one shape are drawn by one `lax.map` over their indices, so XLA compiles one
+    random-number kernel per distinct shape instead of one per leaf (a transformer has ~10
+    shapes but ~100 leaves; the unrolled generator dominates compile time). A group's draws
+    are materialised together, which costs at most one largest leaf of float32.
+    """
+    out: list = [None] * len(leaves)
+    for shape, idx in _float_groups(leaves):
+        zs = _group_normals(key, shape, idx)
+        for j, i in enumerate(idx):
+            out[i] = zs[j]
+    return out
+
+
+def _group_normals(key: jax.Array, shape: tuple, idx: list[int]) -> jax.Array:
+    """Stacked (len(idx), *shape) float32 draws ``normal(fold_in(key, i))`` for i in idx."""
+    ids = jnp.asarray(idx, jnp.uint32)
+    if len(idx) == 1:
+        return _normal(jax.random.fold_in(key, ids[0]), shape)[None]
+    return lax.map(lambda i: _normal(jax.random.fold_in(key, i), shape), ids)
 
 
 def direction(key: jax.Array, params: PyTree) -> PyTree:
     """z ~ N(0, I) shaped like ``params``: leaf i from ``fold_in(key, i)``, float32, cast to the
     leaf dtype. Non-float leaves (integer buffers) get zeros: they are never perturbed."""
     leaves, treedef = jax.tree.flatten(params)
-    out = [_normal(jax.random.fold_in(key, i), jnp.shape(x)).astype(jnp.result_type(x))
-           if _is_float(x) else jnp.zeros_like(x) for i, x in enumerate(leaves)]
+    zs = _leaf_normals(key, leaves)
+    out = [jnp.zeros_like(x) if z is None else z.astype(jnp.result_type(x))
+           for x, z in zip(leaves, zs, strict=True)]
     return jax.tree.unflatten(treedef, out)
 
 
@@ -103,13 +155,8 @@ def perturbed(params: PyTree, key: jax.Array, scale: float | jax.Array) -> PyTre
     """θ + scale·z(key), computed leaf by leaf in float32 and cast back to each leaf's dtype."""
     leaves, treedef = jax.tree.flatten(params)
     scale = jnp.asarray(scale, jnp.float32)
-    out = []
-    for i, x in enumerate(leaves):
-        if not _is_float(x):
-            out.append(x)
-            continue
-        z = _normal(jax.random.fold_in(key, i), jnp.shape(x))
-        out.append((x.astype(jnp.float32) + scale * z).astype(jnp.result_type(x)))
+    out = [x if z is None else (x.astype(jnp.float32) + scale * z).astype(jnp.result_type(x))
+           for x, z in zip(leaves, _leaf_normals(key, leaves), strict=True)]
     return jax.tree.unflatten(treedef, out)
 
 
@@ -142,8 +189,10 @@ def per_example_losses(loss_fn: LossFn, trainable: PyTree, frozen: PyTree, batch
     return lax.map(single, shaped).reshape(-1)[:n]
 
 
-def _reflect(center: PyTree, point: PyTree) -> PyTree:
-    """2·center − point leaf by leaf (in float32, cast back): θ − εz from θ and θ + εz."""
+def mirror_point(center: PyTree, point: PyTree) -> PyTree:
+    """2·center − point leaf by leaf (in float32, cast back): θ − εz from θ and θ + εz.
+
+    Jitted with ``donate_argnums=1`` it overwrites the perturbed copy in place."""
     def one(c, p):
         if not _is_float(c):
             return c
@@ -155,26 +204,67 @@ def _reflect(center: PyTree, point: PyTree) -> PyTree:
 
 def two_point_differences(loss_fn: LossFn, trainable: PyTree, frozen: PyTree, batch: PyTree,
                           key: jax.Array, eps: float | jax.Array,
-                          microbatch_size: int | None = None) -> jax.Array:
+                          microbatch_size: int | None = None, *, return_mirror: bool = False
+                          ) -> jax.Array | tuple[jax.Array, PyTree]:
     """Per-example projected gradients ĝ_i = (ℓ_i(θ+εz) − ℓ_i(θ−εz)) / (2ε), float32, shape (N,).
 
     z = `direction` (key, trainable) is drawn once: θ − εz is formed as 2θ − (θ + εz), which
     reuses the first pass's copy in place of a second draw and mirrors the realised (rounded)
-    perturbation exactly. θ itself is never modified, so nothing drifts across steps. Besides θ
-    the step holds the perturbed leaves (XLA currently keeps θ + εz and θ − εz, under 2x the
-    trainable bytes in total) and no leaf-sized random-bit buffers. ``eps`` may be traced.
-    Non-finite differences (a diverged loss) become 0 so that one bad example cannot poison a
-    subset mean; callers clip the result to [−c, c].
+    perturbation exactly. θ itself is never modified, so nothing drifts across steps.
+
+    This is the one-function (jit-able, vmap-able) form. The two forward passes are the two
+    iterations of one loop, so the forward is compiled once and XLA cannot merge the passes'
+    broadcasts of frozen weights into shared materialised buffers (which made a straight-line
+    pair of passes several times slower than two single passes on CPU). XLA keeps the
+    loop's carry and the reflection in two buffers, so it holds up to two perturbed copies;
+    the training loop's split form (`pavejax.paczero.train.zo_signals`) reflects in place
+    over a donated buffer and holds one. ``eps`` may be traced. Non-finite differences (a
+    diverged loss) become 0 so that one bad example cannot poison a subset mean; callers clip
+    the result to [−c, c].
+
+    With ``return_mirror`` it also returns the mirror point θ − εz (the loop's final carry, so
+    no extra memory during the passes): `update_from_mirror` turns it into the update without
+    drawing z again.
     """
     eps = jnp.asarray(eps, jnp.float32)
-    point = perturbed(trainable, key, eps)
-    plus = per_example_losses(loss_fn, point, frozen, batch, microbatch_size)
-    # The barrier orders the reflection after the first pass, so θ + εz dies as θ − εz is built.
-    point, plus = lax.optimization_barrier((point, plus))
-    minus = per_example_losses(loss_fn, _reflect(trainable, point), frozen, batch,
-                               microbatch_size)
-    g = (plus - minus) / (jnp.float32(2.0) * eps)
-    return jnp.where(jnp.isfinite(g), g, jnp.float32(0.0))
+    n = _num_examples(batch)
+
+    def body(i, carry):
+        point, losses = carry
+        losses = losses.at[i].set(
+            per_example_losses(loss_fn, point, frozen, batch, microbatch_size))
+        point = lax.cond(i == 0, lambda q: mirror_point(trainable, q), lambda q: q, point)
+        return point, losses
+
+    init = (perturbed(trainable, key, eps), jnp.zeros((2, n), jnp.float32))
+    mirror, losses = lax.fori_loop(0, 2, body, init)
+    g = (losses[0] - losses[1]) / (jnp.float32(2.0) * eps)
+    g = jnp.where(jnp.isfinite(g), g, jnp.float32(0.0))
+    return (g, mirror) if return_mirror else g
+
+
+def update_from_mirror(params: PyTree, mirror: PyTree, coefficient: jax.Array,
+                       learning_rate: float | jax.Array, eps: float | jax.Array) -> PyTree:
+    """θ − η·Y·(θ − mirror)/ε: the one-direction update along the realised perturbation.
+
+    ``mirror`` is θ − εz (`mirror_point` of θ + εz, as `two_point_differences` with
+    ``return_mirror=True`` or `pavejax.paczero.train.zo_signals` return it), so
+    (θ − mirror)/ε is z up to float rounding (|error| <= about ulp(θ)/ε per coordinate, ~1e-4
+    of z for weights of size 1 and ε = 1e-3 in float32): the direction whose two-point
+    difference was measured. It costs one elementwise pass and no random numbers, against a
+    full regeneration of z in `apply_directions`. Jit it with ``donate_argnums=0`` so the new
+    θ reuses the old buffers. ``coefficient``: the released scalar Y (shape () or (1,)).
+    """
+    step = (jnp.asarray(learning_rate, jnp.float32) * jnp.reshape(coefficient, ()).astype(
+        jnp.float32) / jnp.asarray(eps, jnp.float32))
+
+    def one(x, m):
+        if not _is_float(x):
+            return x
+        x32 = x.astype(jnp.float32)
+        return (x32 - step * (x32 - m.astype(jnp.float32))).astype(jnp.result_type(x))
+
+    return jax.tree.map(one, params, mirror)
 
 
 def clip_differences(g: jax.Array, clip: float | jax.Array) -> jax.Array:
@@ -191,20 +281,21 @@ def apply_directions(params: PyTree, keys: jax.Array, coefficients: jax.Array,
     cast back to each leaf's dtype.
     """
     num = keys.shape[0]
-    lr = jnp.asarray(learning_rate, jnp.float32)
+    step = jnp.asarray(learning_rate, jnp.float32) / jnp.float32(num)
     coefficients = coefficients.astype(jnp.float32)
     leaves, treedef = jax.tree.flatten(params)
-    out = []
-    for i, x in enumerate(leaves):
-        if not _is_float(x):
-            out.append(x)
-            continue
+    out = list(leaves)
+    for shape, idx in _float_groups(leaves):
+        if num == 1:
+            total = coefficients[0] * _group_normals(keys[0], shape, idx)
+        else:
+            def add(acc, kc, shape=shape, idx=idx):
+                k, c = kc
+                return acc + c * _group_normals(k, shape, idx), None
 
-        def add(acc, kc, i=i, x=x):
-            k, c = kc
-            return acc + c * _normal(jax.random.fold_in(k, i), jnp.shape(x)), None
-
-        total, _ = lax.scan(add, jnp.zeros(jnp.shape(x), jnp.float32), (keys, coefficients))
-        out.append((x.astype(jnp.float32) - lr * total / jnp.float32(num))
-                   .astype(jnp.result_type(x)))
+            zero = jnp.zeros((len(idx), *shape), jnp.float32)
+            total, _ = lax.scan(add, zero, (keys, coefficients))
+        for j, i in enumerate(idx):
+            x = leaves[i]
+            out[i] = (x.astype(jnp.float32) - step * total[j]).astype(jnp.result_type(x))
     return jax.tree.unflatten(treedef, out)

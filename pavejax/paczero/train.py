@@ -6,6 +6,12 @@ releases on the host, then θ ← θ − η_t (1/K) Σ_k Y_k z_k with η_t = (η
 Works for any trainable pytree (LoRA factors or all weights) and any per-example loss
 ``loss_fn(trainable, frozen, example)``.
 
+Cost (`device_functions`, `zo_signals`, `zo_update`): a one-direction step draws z once (for
+θ + εz), runs the inference forward twice (θ + εz, then its in-place mirror θ − εz) and updates
+θ in place along the realised perturbation (θ − mirror)/ε: about two forward passes, and
+inference memory plus one copy of the trainable weights. With K > 1 the update regenerates
+each z_k.
+
 Dev-set selection evaluates ``dev_fn(trainable)`` (lower is better) every ``eval_every`` steps;
 the dev data lies outside the pool, so selection does not touch the secret. Checkpoints (see
 `pavejax.paczero.checkpoint`) restore the posterior, the budget used and every generator, so a
@@ -18,7 +24,7 @@ import dataclasses
 import functools
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -30,7 +36,10 @@ from pavejax.paczero.perturb import (
     apply_directions,
     clip_differences,
     direction_keys,
-    two_point_differences,
+    mirror_point,
+    per_example_losses,
+    perturbed,
+    update_from_mirror,
 )
 from pavejax.paczero.subsets import (
     draw_secret,
@@ -40,7 +49,10 @@ from pavejax.paczero.subsets import (
 )
 from pavejax.privacy import SamplingConfig, take_batch
 
-__all__ = ["ZOConfig", "ZOState", "init_state", "learning_rate", "train"]
+__all__ = [
+    "DeviceFunctions", "ZOConfig", "ZOState", "device_functions", "init_state", "learning_rate",
+    "train", "zo_signals", "zo_update",
+]
 
 PyTree = Any
 
@@ -178,25 +190,87 @@ def _dp_noise_multiplier(epsilon: float, delta: float, q: float, steps: int) -> 
     return calibrate_noise(epsilon, delta, q=q, steps=steps)
 
 
+class DeviceFunctions(NamedTuple):
+    """The jitted pieces of a zeroth-order step (see `device_functions`)."""
+
+    perturb: Callable
+    forward: Callable
+    mirror: Callable
+    combine: Callable
+    update_mirror: Callable
+    update_keys: Callable
+
+
+def _combine(plus, minus, eps, clip, mask, membership):
+    g = (plus - minus) / (jnp.float32(2.0) * eps)
+    weight = mask.astype(jnp.float32)
+    g = clip_differences(jnp.where(jnp.isfinite(g), g, jnp.float32(0.0)), clip) * weight[None]
+    out = {"sum": jnp.sum(g, axis=1)}
+    out["mean"] = out["sum"] / jnp.maximum(jnp.sum(weight), jnp.float32(1.0))
+    if membership is not None:
+        out["signs"] = subset_signs(subset_means(g, membership))
+    return out
+
+
 @functools.lru_cache(maxsize=32)
-def _device_fns(loss_fn: Callable, microbatch_size: int | None):
-    # eps and clip are traced, so runs that differ only in them share one compilation.
-    def signals(trainable, frozen, batch, mask, keys, eps, clip, membership):
-        def one(key):
-            g = two_point_differences(loss_fn, trainable, frozen, batch, key, eps,
-                                      microbatch_size)
-            return clip_differences(g, clip) * mask.astype(jnp.float32)
+def device_functions(loss_fn: Callable, microbatch_size: int | None) -> DeviceFunctions:
+    """Jitted step pieces for ``loss_fn``, cached per (loss, microbatch size).
 
-        # K = 1, the common case, runs without a loop around the two passes.
-        g = one(keys[0])[None] if keys.shape[0] == 1 else jax.lax.map(one, keys)  # (K, N)
-        n = jnp.maximum(jnp.sum(mask.astype(jnp.float32)), jnp.float32(1.0))
-        out = {"sum": jnp.sum(g, axis=1), "mean": jnp.sum(g, axis=1) / n}
-        if membership is not None:
-            out["signs"] = subset_signs(subset_means(g, membership))
-        return out
+    ``perturb(θ, key, ε)`` -> θ + εz; ``forward(θ, frozen, batch)`` -> per-example losses (N,),
+    the same computation as inference; ``mirror(θ, point)`` -> 2θ − point, overwriting the
+    donated point; ``combine(plus (K, N), minus (K, N), ε, clip, mask, membership)`` -> the
+    clipped ``sum``/``mean`` per direction and the subset ``signs`` (K, M);
+    ``update_mirror(θ, mirror, Y, η, ε)`` and ``update_keys(θ, keys, Ys, η)`` -> new θ, donating
+    θ (the consumed mirror is freed). Separate jits rather than one: the forward is compiled
+    once and serves both points, the reflection runs in place, and XLA cannot merge the two
+    passes' broadcasts of frozen weights into shared materialised buffers (which made one
+    jit holding both passes several times slower than two single passes on CPU). A step
+    holds θ, one perturbed copy and one microbatch of activations: inference memory plus one
+    copy of θ.
+    """
+    return DeviceFunctions(
+        perturb=jax.jit(perturbed),
+        forward=jax.jit(functools.partial(_forward, loss_fn, microbatch_size)),
+        mirror=jax.jit(mirror_point, donate_argnums=1),
+        combine=jax.jit(_combine),
+        update_mirror=jax.jit(update_from_mirror, donate_argnums=0),
+        update_keys=jax.jit(apply_directions, donate_argnums=0))
 
-    update = jax.jit(apply_directions, donate_argnums=0)
-    return jax.jit(signals), update
+
+def _forward(loss_fn, microbatch_size, trainable, frozen, batch):
+    return per_example_losses(loss_fn, trainable, frozen, batch, microbatch_size)
+
+
+def zo_signals(fns: DeviceFunctions, trainable: PyTree, frozen: PyTree, batch: PyTree,
+               mask: jax.Array, keys: jax.Array, eps: jax.Array, clip: jax.Array,
+               membership: jax.Array | None) -> dict[str, Any]:
+    """Per-direction signals of one step at θ = ``trainable`` (left untouched).
+
+    For each of the K keys: θ + εz, its losses, the mirror θ − εz in place, its losses; then
+    `DeviceFunctions.combine`. Returns device arrays ``sum`` and ``mean`` (K,), ``signs``
+    (K, M) with ``membership``, and for K = 1 the ``mirror`` point for `update_from_mirror`.
+    Everything is dispatched asynchronously; reading a value waits for the device.
+    """
+    plus, minus, mirror = [], [], None
+    for k in range(keys.shape[0]):
+        point = fns.perturb(trainable, keys[k], eps)
+        plus.append(fns.forward(point, frozen, batch))
+        mirror = fns.mirror(trainable, point)
+        del point  # donated to the mirror
+        minus.append(fns.forward(mirror, frozen, batch))
+    out = fns.combine(jnp.stack(plus), jnp.stack(minus), eps, clip, mask, membership)
+    if keys.shape[0] == 1:
+        out["mirror"] = mirror
+    return out
+
+
+def zo_update(fns: DeviceFunctions, trainable: PyTree, out: dict[str, Any], keys: jax.Array,
+              coefficients: jax.Array, learning_rate: jax.Array, eps: jax.Array) -> PyTree:
+    """θ − η (1/K) Σ_k Y_k z_k; with K = 1 from the mirror in ``out`` (consumed), otherwise by
+    regenerating each z_k. ``trainable`` is donated: do not use it afterwards."""
+    if "mirror" in out:
+        return fns.update_mirror(trainable, out.pop("mirror"), coefficients, learning_rate, eps)
+    return fns.update_keys(trainable, keys, coefficients, learning_rate)
 
 
 def _releases(config: ZOConfig, state: ZOState, out: dict, rng: np.random.Generator,
@@ -252,7 +326,7 @@ def train(config: ZOConfig, loss_fn: Callable, state: ZOState, frozen: PyTree, p
 
     n = int(jax.tree.leaves(pool)[0].shape[0])
     until = config.steps if until is None else min(int(until), config.steps)
-    signals, update = _device_fns(loss_fn, config.microbatch_size)
+    fns = device_functions(loss_fn, config.microbatch_size)
     eps, clip = jnp.float32(config.eps), jnp.float32(config.clip)
     membership = None if state.membership is None else jnp.asarray(state.membership)
     public_key = jax.random.key(state.public_seed)
@@ -271,12 +345,12 @@ def train(config: ZOConfig, loss_fn: Callable, state: ZOState, frozen: PyTree, p
         if sampler is not None:
             idx, mask = sampler.sample(jax.random.key(int(rng.integers(2**32))))
             batch = take_batch(pool, idx)
-        out = signals(state.trainable, frozen, batch, mask, keys, eps, clip, membership)
+        out = zo_signals(fns, state.trainable, frozen, batch, mask, keys, eps, clip, membership)
         rels, mstate = _releases(config, state, out, rng, n)
         mstate = dataclasses.replace(mstate, rng_state=rng.bit_generator.state)
         coeffs = jnp.asarray([r.value for r in rels], jnp.float32)
-        trainable = update(state.trainable, keys, coeffs,
-                           jnp.float32(learning_rate(config, state.step)))
+        lr = jnp.float32(learning_rate(config, state.step))
+        trainable = zo_update(fns, state.trainable, out, keys, coeffs, lr, eps)
         charged = math.fsum(r.charged for r in rels)
         state = dataclasses.replace(
             state, step=state.step + 1, trainable=trainable, mechanism=mstate,
