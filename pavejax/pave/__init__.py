@@ -7,24 +7,29 @@
 :mod:`~pavejax.pave.rkme` (the RKME baseline).
 """
 
-from pavejax.pave.spec import (
-    PRESETS as PRESETS,
-    Backbone as Backbone,
-    PrivacyConfig as PrivacyConfig,
-    SpecConfig as SpecConfig,
-    SpecResult as SpecResult,
-    backbone_hash as backbone_hash,
-    generate_spec as generate_spec,
-    hard_targets as hard_targets,
-    label_space_head as label_space_head,
-    model_spec as model_spec,
-    soft_targets as soft_targets,
-    spec_signature as spec_signature,
-    user_spec as user_spec,
-)
-from pavejax.pave.types import (
-    PaveSpec as PaveSpec,
-    SpecMismatchError as SpecMismatchError,
-    SpecSignature as SpecSignature,
-    cosine as cosine,
-)
+# Exports load on first use, so that the command line (``pavejax dock --help``) does not import
+# JAX and the accountants before it needs them.
+import importlib as _importlib
+
+_EXPORTS = {
+    **dict.fromkeys(("PRESETS", "Backbone", "PrivacyConfig", "SpecConfig", "SpecResult",
+                     "backbone_hash", "generate_spec", "hard_targets", "label_space_head",
+                     "model_spec", "soft_targets", "spec_signature", "user_spec"),
+                    "pavejax.pave.spec"),
+    **dict.fromkeys(("PaveSpec", "SpecMismatchError", "SpecSignature", "cosine"),
+                    "pavejax.pave.types"),
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'pavejax.pave' has no attribute {name!r}")
+    value = getattr(_importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))

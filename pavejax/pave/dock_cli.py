@@ -76,6 +76,9 @@ def run(ns: argparse.Namespace) -> int:
         if ns.model is not None:
             model, model_meta = load_release(ns.model, expect_backbone_hash=None)
             meta.setdefault("model_release", model_meta.to_dict())
+            # the class names of a model release travel with it (reuse needs them)
+            if "classes" in model_meta.extra:
+                meta.setdefault("classes", list(model_meta.extra["classes"]))
         i = dock.submit(spec, name=ns.name, model=model, metadata=meta)
         print(f"submitted {ns.name!r} as id {i}")
     elif action == "search":
