@@ -14,8 +14,9 @@ Guarantees:
     renames it on commit, so a run killed (even by SIGKILL) mid-save resumes from the previous
     complete step.
   * Resuming never rewinds the ledger: :meth:`TrainCheckpointer.restore_latest` refuses a
-    checkpoint whose ledger holds fewer releases than the caller's in-memory ledger, and a run
-    configured differently from the saved one is refused (it would not be the same run).
+    checkpoint whose ledger holds fewer releases than the caller's in-memory ledger,
+    :meth:`TrainCheckpointer.save` refuses one with fewer releases than the latest saved, and a
+    run configured differently from the saved one is refused (it would not be the same run).
   * The budget stored with the first checkpoint is binding for the whole run: a resumed run
     cannot change it, and :func:`enforce_budget` raises
     :class:`~pavejax.accounting.BudgetExceededError` before any step that would exceed it.
@@ -32,6 +33,7 @@ import hashlib
 import json
 import math
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -258,9 +260,18 @@ class TrainCheckpointer:
         """Writes ``ckpt`` as step ``ckpt.step`` (replacing nothing: an existing step is kept).
 
         The budget saved is ``ckpt.budget`` (the trainer resolves it with
-        :func:`resolve_budget`)."""
+        :func:`resolve_budget`). Raises :class:`LedgerRollbackError` when ``ckpt.ledger`` holds
+        fewer releases than the latest saved checkpoint (a saved ledger only grows)."""
         if ckpt.step in self._manager.all_steps():
             return
+        latest = self._manager.latest_step()
+        if latest is not None:
+            saved = ledger_releases(Ledger.from_dict(self._meta(latest)["ledger"]))
+            if saved > ledger_releases(ckpt.ledger):
+                raise LedgerRollbackError(
+                    f"the checkpoint for step {ckpt.step} records {ledger_releases(ckpt.ledger)} "
+                    f"releases but step {latest} already saved records {saved}; a saved ledger "
+                    "can only grow. Save a state at least as recent as the latest one")
         meta = {"format": _FORMAT, "version": _VERSION, "step": int(ckpt.step),
                 "ledger": ckpt.ledger.to_dict(), "run": _json_ready("run", ckpt.run),
                 "mechanism": _json_ready("mechanism", ckpt.mechanism),
@@ -273,14 +284,25 @@ class TrainCheckpointer:
             arrays=ocp.args.StandardSave(arrays), meta=ocp.args.JsonSave(meta)), force=True)
         self._manager.wait_until_finished()
 
-    def restore_latest(self, like: PyTree, *, run: dict[str, Any],
+    def _meta(self, step: int) -> dict[str, Any]:
+        meta = self._manager.restore(step, args=ocp.args.Composite(
+            meta=ocp.args.JsonRestore()))["meta"]
+        if meta.get("format") != _FORMAT or meta.get("version") != _VERSION:
+            raise ValueError(f"{self.directory} step {step} is not a {_FORMAT} v{_VERSION} "
+                             "checkpoint")
+        return meta
+
+    def restore_latest(self, like: PyTree | Callable[[dict[str, Any]], PyTree], *,
+                       run: dict[str, Any],
                        ledger: Ledger | None = None,
                        key_like: jax.Array | None = None) -> Checkpoint | None:
         """The latest committed checkpoint, or None when there is none.
 
         Args:
           like: a template of ``arrays`` (same structure, shapes and dtypes); restored arrays get
-            its shardings, so a template on a mesh restores onto that mesh.
+            its shardings, so a template on a mesh restores onto that mesh. Or a function of the
+            saved ``mechanism`` record returning the template, for a trainer whose array
+            structure depends on its state (e.g. whether a best-so-far copy exists yet).
           run: the current run record; it must equal the saved one.
           ledger: the in-memory ledger; a checkpoint with fewer releases is refused with
             :class:`LedgerRollbackError` (resuming can never lower the ledger).
@@ -291,11 +313,7 @@ class TrainCheckpointer:
         step = self.latest_step()
         if step is None:
             return None
-        meta = self._manager.restore(step, args=ocp.args.Composite(
-            meta=ocp.args.JsonRestore()))["meta"]
-        if meta.get("format") != _FORMAT or meta.get("version") != _VERSION:
-            raise ValueError(f"{self.directory} step {step} is not a {_FORMAT} v{_VERSION} "
-                             "checkpoint")
+        meta = self._meta(step)
         saved_ledger = Ledger.from_dict(meta["ledger"])
         if ledger is not None and ledger_releases(saved_ledger) < ledger_releases(ledger):
             raise LedgerRollbackError(
@@ -308,7 +326,7 @@ class TrainCheckpointer:
             raise RunMismatchError(f"the checkpoint in {self.directory} was written by a "
                                    f"different run (fields {diff} differ); resume with the same "
                                    "configuration or use a new directory")
-        template = {"state": like}
+        template = {"state": like(meta["mechanism"]) if callable(like) else like}
         if meta["has_key"]:
             if key_like is None:
                 raise ValueError("the checkpoint holds a PRNG key: pass key_like")

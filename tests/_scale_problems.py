@@ -161,21 +161,18 @@ class _PausingCheckpointer(TrainCheckpointer):
         time.sleep(PAUSE_S)
 
 
-def _paused_dev(tr) -> float:
-    time.sleep(PAUSE_S)
-    return zo_dev(tr)
+def run_zo(checkpointer=None) -> None:
+    cfg = zo_config()
+    zo_train(cfg, zo_loss, zo_init(cfg), None, zo_pool(), dev_fn=zo_dev,
+             checkpointer=checkpointer)
 
 
 def main(trainer: str, directory: str) -> None:
     jax.config.update("jax_numpy_dtype_promotion", "strict")
     jax.config.update("jax_numpy_rank_promotion", "raise")
-    if trainer == "paczero":
-        cfg = zo_config()
-        zo_train(cfg, zo_loss, zo_init(cfg), None, zo_pool(), dev_fn=_paused_dev,
-                 checkpoint_dir=directory, checkpoint_every=1)
-    else:
-        with _PausingCheckpointer(directory) as ckpt:
-            (run_sam if trainer == "dp-sam" else run_spec)(checkpointer=ckpt)
+    run = {"dp-sam": run_sam, "dp-s-pave": run_spec, "paczero": run_zo}[trainer]
+    with _PausingCheckpointer(directory) as ckpt:
+        run(checkpointer=ckpt)
     print("finished", flush=True)
 
 

@@ -112,6 +112,31 @@ def test_restoring_an_older_ledger_is_refused(tmp_path):
                                 key_like=jax.random.key(0))
 
 
+def test_saving_a_lower_ledger_than_the_latest_step_is_refused(tmp_path):
+    _save(tmp_path, 2, _ledger(2, mi=(0.1,)))
+    with pytest.raises(LedgerRollbackError, match="records 2 releases but step 2 already saved "
+                                                  "records 3; a saved ledger can only grow"):
+        _save(tmp_path, 5, _ledger(2))  # a later step that forgot the MI charge
+    _save(tmp_path, 3, _ledger(3, mi=(0.1,)))  # more releases: fine
+    assert sorted(int(p.name) for p in tmp_path.iterdir() if p.name.isdigit()) == [2, 3]
+
+
+def test_template_can_depend_on_the_saved_mechanism_record(tmp_path):
+    state = _state()
+    with_extra = {**state, "extra": jnp.arange(3, dtype=jnp.int32)}
+    _save(tmp_path, 1, _ledger(1), mechanism={"has_extra": True}, state=with_extra)
+    seen = []
+
+    def like(record):
+        seen.append(record)
+        return {**state, "extra": jnp.zeros(3, jnp.int32)} if record["has_extra"] else state
+
+    with TrainCheckpointer(tmp_path) as ckpt:
+        got = ckpt.restore_latest(like, run=RUN, key_like=jax.random.key(0))
+    assert seen == [{"has_extra": True}]
+    assert _bits(got.arrays) == _bits(with_extra)
+
+
 def test_another_run_is_refused_and_named(tmp_path):
     _save(tmp_path, 1, _ledger(1))
     other = {"trainer": "toy", "config": {"lr": 0.2, "mode": "same"}}

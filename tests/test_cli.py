@@ -8,6 +8,7 @@ commands' own output.
 """
 
 import contextlib
+import dataclasses
 import io
 import json
 import math
@@ -146,8 +147,10 @@ def dock(work, models):
     for name in ("m1", "m2"):
         specs[name] = ok_json("spec", "--dock", d, "--model", work / name, "--examples", "16",
                               "--out", work / f"s_{name}")
+        # m2 gives no metadata: its class names come from its model release
+        meta = ["--metadata", '{"classes": ["negative", "positive"]}'] if name == "m1" else []
         rc, out, err = cli("dock", "submit", d, work / f"s_{name}", "--name", name, "--model",
-                           work / name, "--metadata", '{"classes": ["negative", "positive"]}')
+                           work / name, *meta)
         assert rc == 0 and "submitted" in out, err
     specs["user"] = ok_json("spec", "--dock", d, "--user-task", "nyt", "--shots", "4",
                             "--seq-len", "16", "--out", work / "s_user")
@@ -275,7 +278,9 @@ def test_dock_commands_search_list_show(work, dock):
     rc, out, _ = cli("dock", "list", d)
     assert rc == 0 and "m1" in out and "m2" in out and "dp eps=" in out
     rc, out, _ = cli("dock", "show", d, "m2")
-    assert rc == 0 and json.loads(out)["has_model"] is True
+    shown = json.loads(out)
+    assert rc == 0 and shown["has_model"] is True
+    assert shown["metadata"]["classes"] == ["negative", "positive"]
     rc, _, err = cli("dock", "show", d, "nobody")
     assert rc == 1 and "no learnware 'nobody'" in err
 
@@ -340,6 +345,29 @@ def test_adapt_zpl_and_mi_ledgers(work, merged, adapted):
         h["dp_noise_multiplier"]))
     assert g["epsilon"] == pytest.approx(
         _rdp_epsilon([dp_event.SelfComposedDpEvent(step, 6)], DELTA), rel=1e-6)
+
+
+@real
+def test_adapt_resumes_from_its_checkpoint_dir(work, merged, tmp_path):
+    args = ["adapt", "--model", work / "merged", "--task", "nyt", "--mechanism", "mi",
+            "--mi-budget", "0.05", "--steps", "4", *ADAPT, "--checkpoint-dir", tmp_path / "ck"]
+    first = ok_json(*args, "--out", tmp_path / "a1")
+    saved = {p.name: (p / "meta" / "metadata").read_bytes()
+             for p in (tmp_path / "ck").iterdir() if p.name.isdigit()}
+    # the last checkpoint is the run's final state (an MI run may stop early on its budget)
+    assert max(map(int, saved)) == first["steps"] and first["guarantee"]["kind"] == "pac_mi"
+    # The finished run is resumed, not redone: a fresh run would draw other OS-seeded secrets
+    # and noise. Same tensors, same metadata but its time (ledger included), no new checkpoint
+    # step. (Orbax file names and timestamps differ, so the content hashes do.)
+    ok_json(*args, "--out", tmp_path / "a2")
+    (t1, m1), (t2, m2) = _release(tmp_path / "a1"), _release(tmp_path / "a2")
+    assert sorted(t1) == sorted(t2)
+    assert all(np.asarray(t1[k]).tobytes() == np.asarray(t2[k]).tobytes() for k in t1)
+    assert dataclasses.replace(m1, created=m2.created) == m2 and m1.ledger["mi_entries"]
+    assert {p.name: (p / "meta" / "metadata").read_bytes()
+            for p in (tmp_path / "ck").iterdir() if p.name.isdigit()} == saved
+    rc, _, err = cli(*args, "--lr", "0.5", "--out", tmp_path / "a3")
+    assert rc == 1 and "config.learning_rate" in err and not (tmp_path / "a3").exists()
 
 
 @real

@@ -1,20 +1,28 @@
-"""The zeroth-order training loop: secret independence of ZPL, budgets, resume, selection."""
+"""The zeroth-order training loop: secret independence of ZPL, budgets, resume through the
+Orbax TrainCheckpointer (bit-exact, ledger never lower, budgets and run records binding),
+selection, and no ZOState secret in a release."""
 
 import dataclasses
 import math
+import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from pavejax.accounting import BudgetExceededError
+from pavejax.checkpointing import LedgerRollbackError, RunMismatchError, TrainCheckpointer
 from pavejax.paczero import (
     ZOConfig,
+    ZOState,
     init_state,
     learning_rate,
-    load_checkpoint,
+    restore_state,
+    save_state,
     train,
 )
+from pavejax.release import ReleaseError, ReleaseMetadata, save_release
 
 N, D = 32, 4
 # Every run shares one direction count, subset count and DP setting, so the loop's device
@@ -72,28 +80,181 @@ def test_mi_spends_at_most_its_budget():
     assert st.mi_used <= 0.05
 
 
-@pytest.mark.parametrize("mechanism, extra", [
-    ("mi", {"mi_budget": 0.2, "num_subsets": M}),
-    ("dpzo", DP),
-])
-def test_resume_equals_uninterrupted(tmp_path, mechanism, extra):
-    cfg = ZOConfig(mechanism, steps=8, learning_rate=0.05, clip=5.0, eval_every=3,
-                   num_directions=K, **extra)
-    pool = make_pool()
+RESUMABLE = {"zpl": {"num_subsets": M}, "mi": {"mi_budget": 0.2, "num_subsets": M}, "dpzo": DP}
+
+
+def resumable(mechanism, **kw):
+    return ZOConfig(mechanism, **({"steps": 8, "learning_rate": 0.05, "clip": 5.0,
+                                   "eval_every": 3, "num_directions": K}
+                                  | RESUMABLE[mechanism] | kw))
+
+
+def other_seed(cfg, state):
+    """A template drawn from another mechanism seed, as an OS-seeded restart would draw it: a
+    resumed run can only match ``state``'s run if it takes the checkpoint's secrets."""
+    fresh = init_state(cfg, start(), N, public_seed=state.public_seed, mechanism_seed=77)
+    assert fresh.mechanism.rng_state != state.mechanism.rng_state
+    assert cfg.mechanism == "dpzo" or not np.array_equal(fresh.membership, state.membership)
+    return fresh
+
+
+def assert_same_state(a, b):
+    assert a.step == b.step
+    assert same_tree(a.trainable, b.trainable)
+    assert (a.best is None) == (b.best is None) and (a.best is None or same_tree(a.best, b.best))
+    assert (a.best_step, a.best_dev) == (b.best_step, b.best_dev)
+    assert a.mechanism.log_posterior.dtype == b.mechanism.log_posterior.dtype == np.float64
+    assert a.mechanism.log_posterior.tobytes() == b.mechanism.log_posterior.tobytes()
+    assert a.mechanism.mi_used == b.mechanism.mi_used and a.charges == b.charges
+    assert a.mechanism.rng_state == b.mechanism.rng_state
+    assert a.secret == b.secret and (a.membership is None) == (b.membership is None)
+    assert a.membership is None or np.array_equal(a.membership, b.membership)
+    assert (a.unanimous, a.releases, a.stopped) == (b.unanimous, b.releases, b.stopped)
+    assert a.dp_noise_multiplier == b.dp_noise_multiplier
+
+
+@pytest.mark.parametrize("mechanism", ["zpl", "mi", "dpzo"])
+def test_interrupted_run_resumes_bit_identical(tmp_path, mechanism):
+    cfg, pool = resumable(mechanism), make_pool()
     s0 = init_state(cfg, start(), N, public_seed=4, mechanism_seed=5)
     dev = lambda tr: pool_loss(tr, pool)  # noqa: E731
     whole = train(cfg, loss, s0, None, pool, dev_fn=dev)
-    train(cfg, loss, s0, None, pool, dev_fn=dev, until=5, checkpoint_dir=tmp_path / "ck")
-    resumed = load_checkpoint(tmp_path / "ck", start(), cfg)
-    assert resumed.step == 5
-    done = train(cfg, loss, resumed, None, pool, dev_fn=dev)
-    assert same_tree(whole.trainable, done.trainable)
-    assert same_tree(whole.best, done.best) and whole.best_step == done.best_step
-    assert whole.charges == done.charges and whole.mechanism.rng_state == done.mechanism.rng_state
-    np.testing.assert_array_equal(whole.mechanism.log_posterior, done.mechanism.log_posterior)
-    assert whole.ledger(cfg, N) == done.ledger(cfg, N)
-    with pytest.raises(ValueError, match="different config"):
-        load_checkpoint(tmp_path / "ck", start(), dataclasses.replace(cfg, steps=9))
+    with TrainCheckpointer(tmp_path, every=2) as ckpt:
+        train(cfg, loss, s0, None, pool, dev_fn=dev, until=5, checkpointer=ckpt)
+        assert ckpt.latest_step() == 5  # every 2 steps and when train returns
+        done = train(cfg, loss, other_seed(cfg, s0), None, pool, dev_fn=dev, checkpointer=ckpt)
+        assert ckpt.latest_step() == 8
+    assert_same_state(done, whole)
+    assert done.best_step in (3, 6, 8) and done.ledger(cfg, N) == whole.ledger(cfg, N)
+    assert len(done.ledger(cfg, N).entries if mechanism == "dpzo" else
+               done.ledger(cfg, N).mi_entries) >= 1
+
+
+def test_restored_mi_state_is_the_saved_one_bit_for_bit(tmp_path):
+    cfg, pool = resumable("mi"), make_pool()
+    s0 = init_state(cfg, start(), N, public_seed=4, mechanism_seed=5)
+    with TrainCheckpointer(tmp_path) as ckpt:
+        assert restore_state(ckpt, cfg, s0, N) is None
+        mid = train(cfg, loss, s0, None, pool, dev_fn=lambda tr: pool_loss(tr, pool), until=4,
+                    checkpointer=ckpt)
+        back = restore_state(ckpt, cfg, other_seed(cfg, s0), N)
+    assert mid.mi_used > 0 and mid.best is not None
+    assert not np.allclose(mid.mechanism.log_posterior, s0.mechanism.log_posterior)
+    assert_same_state(back, mid)
+    assert back.origin == mid.origin is not None
+
+
+def test_a_lower_ledger_is_refused(tmp_path):
+    cfg, pool = resumable("mi", eval_every=0), make_pool()
+    s0 = init_state(cfg, start(), N, public_seed=4, mechanism_seed=5)
+    ahead = train(cfg, loss, s0, None, pool, until=4)
+    with TrainCheckpointer(tmp_path) as ckpt:
+        behind = train(cfg, loss, s0, None, pool, until=2, checkpointer=ckpt)
+        # resuming the checkpoint at step 2 would forget the releases of steps 3 and 4
+        with pytest.raises(LedgerRollbackError, match="forget privacy already spent"):
+            train(cfg, loss, ahead, None, pool, checkpointer=ckpt)
+        save_state(ckpt, ahead, cfg, N)
+        with pytest.raises(LedgerRollbackError, match="can only grow"):
+            save_state(ckpt, dataclasses.replace(behind, step=5), cfg, N)
+        assert ckpt.latest_step() == 4
+        with pytest.raises(LedgerRollbackError, match="forget privacy already spent"):
+            train(cfg, loss, train(cfg, loss, ahead, None, pool, until=5), None, pool,
+                  checkpointer=ckpt)
+
+
+def test_dpzo_budget_binds_before_the_first_step(tmp_path):
+    cfg, pool = resumable("dpzo", eval_every=0), make_pool()
+    s0 = init_state(cfg, start(), N, public_seed=4, mechanism_seed=5)
+    spent = train(cfg, loss, s0, None, pool).ledger(cfg, N).epsilon(1e-5)
+    assert 1.5 < spent <= 2.0 * 1.001  # calibrated to dp_epsilon = 2 over the 8 steps
+    with TrainCheckpointer(tmp_path / "low", budget=(spent * 0.9, 1e-5)) as ckpt:
+        with pytest.raises(BudgetExceededError, match="would exceed"):
+            train(cfg, loss, s0, None, pool, checkpointer=ckpt)
+        assert ckpt.latest_step() is None  # refused before any release
+    with TrainCheckpointer(tmp_path / "run", budget=(spent * 1.01, 1e-5)) as ckpt:
+        train(cfg, loss, s0, None, pool, until=3, checkpointer=ckpt)
+    with TrainCheckpointer(tmp_path / "run", budget=(9.0, 1e-5)) as ckpt, \
+            pytest.raises(RunMismatchError, match="keeps its budget"):
+        train(cfg, loss, s0, None, pool, checkpointer=ckpt)
+    with TrainCheckpointer(tmp_path / "run") as ckpt:  # the stored budget still binds: it fits
+        assert train(cfg, loss, s0, None, pool, checkpointer=ckpt).step == 8
+    pac = resumable("zpl")
+    with TrainCheckpointer(tmp_path / "pac", budget=(1.0, 1e-5)) as ckpt, \
+            pytest.raises(ValueError, match="binds DP-ZO runs only"):
+        train(pac, loss, init_state(pac, start(), N, public_seed=0, mechanism_seed=1), None,
+              pool, checkpointer=ckpt)
+
+
+def test_mi_run_never_continues_past_its_budget(tmp_path):
+    cfg, pool = resumable("mi", eval_every=0), make_pool()
+    s0 = init_state(cfg, start(), N, public_seed=4, mechanism_seed=5)
+    with TrainCheckpointer(tmp_path) as ckpt:
+        mid = train(cfg, loss, s0, None, pool, until=3, checkpointer=ckpt)
+        # a checkpoint whose charges (consistent with its ledger) exceed mi_budget = 0.2 nats
+        save_state(ckpt, dataclasses.replace(mid, step=4, charges=(*mid.charges, 0.2)), cfg, N)
+        with pytest.raises(BudgetExceededError, match="mi_budget is 0.2"):
+            train(cfg, loss, s0, None, pool, checkpointer=ckpt)
+        assert ckpt.latest_step() == 4
+    with TrainCheckpointer(tmp_path / "more") as ckpt:  # and the budget cannot be raised
+        train(cfg, loss, s0, None, pool, until=2, checkpointer=ckpt)
+        with pytest.raises(RunMismatchError, match=r"config\.mi_budget"):
+            train(dataclasses.replace(cfg, mi_budget=1.0), loss, s0, None, pool,
+                  checkpointer=ckpt)
+
+
+def test_a_checkpoint_whose_ledger_disagrees_with_its_state_is_refused(tmp_path, monkeypatch):
+    cfg, pool = resumable("zpl", eval_every=0), make_pool()
+    s0 = init_state(cfg, start(), N, public_seed=4, mechanism_seed=5)
+    with TrainCheckpointer(tmp_path) as ckpt:
+        two = train(cfg, loss, s0, None, pool, until=2)
+        ledger3 = train(cfg, loss, two, None, pool, until=3).ledger(cfg, N)
+        with monkeypatch.context() as m:  # the step-2 state saved with a step-3 ledger
+            m.setattr(ZOState, "ledger", lambda self, *a, **k: ledger3)
+            save_state(ckpt, two, cfg, N)
+        with pytest.raises(ValueError, match="does not match its own charges"):
+            train(cfg, loss, s0, None, pool, checkpointer=ckpt)
+
+
+@pytest.mark.parametrize("change, field", [
+    (lambda cfg, s: (dataclasses.replace(cfg, learning_rate=0.1), s), "config.learning_rate"),
+    (lambda cfg, s: (dataclasses.replace(cfg, steps=9), s), "config.steps"),
+    (lambda cfg, s: (cfg, dataclasses.replace(s, public_seed=5)), "public_seed"),
+    (lambda cfg, s: (cfg, dataclasses.replace(
+        s, trainable=jax.tree.map(lambda x: x + jnp.float32(1.0), s.trainable))), "origin"),
+])
+def test_another_run_is_refused_by_name(tmp_path, change, field):
+    cfg, pool = resumable("zpl", eval_every=0), make_pool()
+    s0 = init_state(cfg, start(), N, public_seed=4, mechanism_seed=5)
+    with TrainCheckpointer(tmp_path) as ckpt:
+        train(cfg, loss, s0, None, pool, until=2, checkpointer=ckpt)
+        other_cfg, other = change(cfg, s0)
+        with pytest.raises(RunMismatchError, match=re.escape(f"['{field}']")):
+            train(other_cfg, loss, other, None, pool, checkpointer=ckpt)
+
+
+def test_a_state_of_another_run_is_refused(tmp_path):
+    cfg, pool = resumable("zpl", eval_every=0), make_pool()
+    s0 = init_state(cfg, start(), N, public_seed=4, mechanism_seed=5)
+    other = train(cfg, loss, other_seed(cfg, s0), None, pool, until=1)
+    with TrainCheckpointer(tmp_path) as ckpt:
+        train(cfg, loss, s0, None, pool, until=2, checkpointer=ckpt)
+        with pytest.raises(RunMismatchError, match="another secret subset"):
+            train(cfg, loss, other, None, pool, checkpointer=ckpt)
+
+
+def test_a_release_refuses_the_secrets_of_a_zo_state(tmp_path):
+    cfg = resumable("mi")
+    st = init_state(cfg, start(), N, public_seed=4, mechanism_seed=5)
+    meta = ReleaseMetadata(kind="model", backbone_id="logreg", backbone_hash="ab" * 32,
+                           mechanism="paczero-mi", ledger=None, guarantee={"kind": "none"})
+    with pytest.raises(ReleaseError, match="named like a secret"):
+        save_release(tmp_path / "a", {**st.trainable, "secret": np.asarray(st.secret)}, meta)
+    with pytest.raises(ReleaseError, match="every leaf must be an array"):
+        save_release(tmp_path / "b", {"state": st}, meta)
+    with pytest.raises(ReleaseError, match="'rng_state'"):
+        save_release(tmp_path / "c", st.trainable, dataclasses.replace(
+            meta, extra={"mechanism": {"rng_state": st.mechanism.rng_state}}))
+    assert not any(tmp_path.iterdir())
 
 
 def test_mezo_and_zpl_reduce_the_loss():

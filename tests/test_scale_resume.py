@@ -3,7 +3,6 @@ checkpoint, resumes here and ends bit-identical to an uninterrupted run, with an
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -16,7 +15,7 @@ import numpy as np
 import pytest
 
 from pavejax.checkpointing import TrainCheckpointer
-from pavejax.paczero import load_checkpoint, train as zo_train
+from pavejax.paczero import init_state, train as zo_train
 from tests import _scale_problems as P
 
 REPO = Path(__file__).resolve().parent.parent
@@ -25,14 +24,9 @@ KILL_AFTER = 3
 TIMEOUT_S = 300
 
 
-def _committed_step(trainer: str, directory: Path) -> int | None:
+def _committed_step(directory: Path) -> int | None:
     if not directory.exists():
         return None
-    if trainer == "paczero":  # one directory, replaced atomically at each save
-        try:
-            return json.loads((directory / "state.json").read_text())["step"]
-        except (OSError, ValueError, KeyError):
-            return None
     # Orbax renames a finished step directory to its bare number (tmp dirs carry a suffix).
     steps = [int(p.name) for p in directory.iterdir() if p.name.isdigit()]
     return max(steps, default=None)
@@ -60,7 +54,7 @@ def killed(tmp_path_factory):
             for t, p in procs.items():
                 if t in result:
                     continue
-                step = _committed_step(t, root / t)
+                step = _committed_step(root / t)
                 if step is not None and step >= KILL_AFTER:
                     p.send_signal(signal.SIGKILL)
                     p.wait()
@@ -91,7 +85,7 @@ def _same_bits(a, b) -> bool:
 def _killed_midway(killed, trainer: str) -> Path:
     directory, returncode = killed[trainer]
     assert returncode == -signal.SIGKILL
-    step = _committed_step(trainer, directory)
+    step = _committed_step(directory)
     assert KILL_AFTER <= step < P.STEPS, step  # killed after step 3 and before the end
     return directory
 
@@ -125,11 +119,22 @@ def test_paczero_resumes_bit_identical(killed):
     directory = _killed_midway(killed, "paczero")
     cfg = P.zo_config()
     whole = zo_train(cfg, P.zo_loss, P.zo_init(cfg), None, P.zo_pool(), dev_fn=P.zo_dev)
-    state = load_checkpoint(directory, P.zo_start(), cfg)
-    done = zo_train(cfg, P.zo_loss, state, None, P.zo_pool(), dev_fn=P.zo_dev)
+    # A template from another mechanism seed (as an OS-seeded restart would draw): only the
+    # checkpoint's membership, secret and generator can lead to the killed run's result.
+    fresh = init_state(cfg, P.zo_start(), P.ZO_N, public_seed=4, mechanism_seed=7)
+    assert not np.array_equal(fresh.membership, whole.membership)
+    with TrainCheckpointer(directory) as ckpt:
+        done = zo_train(cfg, P.zo_loss, fresh, None, P.zo_pool(), dev_fn=P.zo_dev,
+                        checkpointer=ckpt)
+        assert ckpt.latest_step() == P.STEPS
     assert done.step == whole.step == P.STEPS
     assert _same_bits(done.trainable, whole.trainable) and _same_bits(done.best, whole.best)
-    assert done.charges == whole.charges and done.mechanism.rng_state == \
-        whole.mechanism.rng_state
+    assert done.best_step == whole.best_step and done.best_dev == whole.best_dev
+    assert done.secret == whole.secret
+    np.testing.assert_array_equal(done.membership, whole.membership)
+    assert done.mechanism.log_posterior.tobytes() == whole.mechanism.log_posterior.tobytes()
+    assert done.charges == whole.charges and done.mi_used == whole.mi_used
+    assert done.mechanism.rng_state == whole.mechanism.rng_state
+    assert (done.unanimous, done.releases) == (whole.unanimous, whole.releases)
     assert done.ledger(cfg, P.ZO_N) == whole.ledger(cfg, P.ZO_N)
     assert done.ledger(cfg, P.ZO_N).mutual_information() > 0  # the MI mechanism did spend

@@ -10,6 +10,7 @@ the task's dev split, which lies outside the pool.
 from __future__ import annotations
 
 import argparse
+import contextlib
 from pathlib import Path
 
 from pavejax.commands import _shared as sh
@@ -34,7 +35,8 @@ DESCRIPTION = (
     "used for the reported accuracy are read without noise and are not covered. The input "
     "model's own guarantee (on its developers' data) is copied into the release as upstream. "
     "The membership matrix, secret index and mechanism generator are seeded from the OS and "
-    "never written.")
+    "never enter the release; with --checkpoint-dir they are saved in that directory (so the "
+    "run can resume), which must stay private.")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -69,6 +71,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="test examples for the reported accuracy")
     p.add_argument("--seed", type=int, default=0,
                    help="public seed of the split and of the perturbation directions")
+    p.add_argument("--checkpoint-dir", type=Path, default=None,
+                   help="resumable run: save the training state here at every dev evaluation "
+                        "and resume from the latest one if there is one (same flags). It holds "
+                        "the secret subset index and generator state: keep it private, it is "
+                        "not a release")
     p.add_argument("--progress", action="store_true", help="show a progress bar")
     sh.add_output_arguments(p, "adapted model")
 
@@ -128,6 +135,7 @@ def run(ns: argparse.Namespace) -> int:
     import jax.numpy as jnp
     import numpy as np
 
+    from pavejax.checkpointing import TrainCheckpointer
     from pavejax.data import load_task
     from pavejax.lifecycle import apply_head, example_loss
     from pavejax.paczero import init_state, train
@@ -154,10 +162,14 @@ def run(ns: argparse.Namespace) -> int:
         return jnp.mean(-jnp.take_along_axis(logp, dev["y"][:, None], 1))
 
     start_dev = float(dev_loss(model.params))
+    # A resumed run replaces this fresh OS-seeded state by its checkpoint's (same secrets).
     state = init_state(zcfg, model.params, n, public_seed=ns.seed,
-                          mechanism_seed=np.random.SeedSequence())
-    state = train(zcfg, example_loss, state, None, pool, dev_fn=lambda p: float(dev_loss(p)),
-                     progress=ns.progress)
+                       mechanism_seed=np.random.SeedSequence())
+    ckpt = (contextlib.nullcontext() if ns.checkpoint_dir is None else
+            TrainCheckpointer(ns.checkpoint_dir, every=zcfg.eval_every))
+    with ckpt as checkpointer:
+        state = train(zcfg, example_loss, state, None, pool, dev_fn=lambda p: float(dev_loss(p)),
+                      checkpointer=checkpointer, progress=ns.progress)
     improved = state.best is not None and state.best_dev < start_dev
     final = jax.tree.map(jnp.asarray, state.best) if improved else model.params
     before, after = (sh.accuracy(p, test, model.classes) for p in (model.params, final))

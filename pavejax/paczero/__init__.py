@@ -2,10 +2,11 @@
 
 Modules: :mod:`~pavejax.paczero.perturb` (seeded directions, two-point differences),
 :mod:`~pavejax.paczero.subsets` (candidate subsets, signs), :mod:`~pavejax.paczero.mechanisms`
-(release rules), :mod:`~pavejax.paczero.train` (loop) and :mod:`~pavejax.paczero.checkpoint`.
+(release rules), :mod:`~pavejax.paczero.train` (loop) and :mod:`~pavejax.paczero.checkpoint`
+(resumable runs through the Orbax TrainCheckpointer).
 """
 
-from pavejax.paczero.checkpoint import load_checkpoint, save_checkpoint
+from pavejax.paczero.checkpoint import restore_state, save_state
 from pavejax.paczero.mechanisms import (
     KINDS,
     MechanismState,
@@ -53,8 +54,8 @@ __all__ = [
     "KINDS", "DeviceFunctions", "MechanismState", "Release", "ZOConfig", "ZOState",
     "apply_directions", "clip_differences", "device_functions", "direction", "direction_keys",
     "dpzo_release", "dpzo_step_event", "draw_secret", "init_mechanism_state", "init_state",
-    "learning_rate", "load_checkpoint", "membership_matrix", "mezo_release", "mi_release",
-    "mirror_point", "per_example_losses", "per_step_budget", "perturbed", "positive_mass",
-    "save_checkpoint", "subset_means", "subset_signs", "train", "two_point_differences",
-    "unanimous", "update_from_mirror", "zo_signals", "zo_update", "zpl_release",
+    "learning_rate", "membership_matrix", "mezo_release", "mi_release", "mirror_point",
+    "per_example_losses", "per_step_budget", "perturbed", "positive_mass", "restore_state",
+    "save_state", "subset_means", "subset_signs", "train", "two_point_differences", "unanimous",
+    "update_from_mirror", "zo_signals", "zo_update", "zpl_release",
 ]

@@ -1,125 +1,222 @@
-"""Exact checkpoint/resume of a zeroth-order run (`ZOState`).
+"""Zeroth-order runs through :class:`pavejax.checkpointing.TrainCheckpointer` (Orbax).
 
-A checkpoint directory holds ``arrays.npz`` (every array leaf as raw bytes, so bf16 and float32
-round-trip bit for bit) and ``state.json`` (step, counts, charges, dev selection, the
-mechanism's posterior, budget used and generator state, the secret index, the public seed and
-the config). Floats go through JSON with ``repr`` and come back exactly.
+`save_state` writes a `ZOState` as one atomically committed checkpoint step and `restore_state`
+reads the latest one back; :func:`pavejax.paczero.train` does both when given a
+``checkpointer``, so a run killed at any point (even by SIGKILL) resumes bit for bit.
 
-A training checkpoint is **not a release**: it holds the secret index and the mechanism's
-generator state. Keep it private; release only the final parameters and the ledger.
+A step holds the arrays θ, the dev-selected best copy (once there is one) and the (N, M)
+membership matrix (ZPL/MI), and as JSON the secret index j*, the mechanism's float64 log
+posterior, nats used and PCG64 generator state, the per-step charges, the unanimity counts, the
+dev selection and the DP-ZO noise multiplier. Floats are stored as ``float.hex`` text, so they
+come back bit for bit (infinities included). The checkpoint's ledger is `ZOState.ledger` (DP
+events for DP-ZO, nats for ZPL/MI), so the checkpointer refuses to save or resume a ledger that
+is lower than one it already holds.
+
+The checkpoint is **secret**: the secret index says which candidate subset of the pool the run
+trained on, and the generator state replays every coin, noise draw and Poisson sample. Keep it
+private; it is not a release. Publish only the final parameters and the ledger
+(:mod:`pavejax.release` refuses entries named ``secret``, ``rng_state``, ...).
+
+What makes a run the same run: the config, the public seed, the pool size and `ZOState.origin`
+(a fingerprint of θ at step 0). The mechanism seed is not part of it: a resumed run takes the
+membership matrix, secret and generator from the checkpoint, so a fresh OS-seeded template
+state resumes the saved run.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
-import shutil
-from pathlib import Path
-from typing import Any
+import math
+from typing import TYPE_CHECKING, Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
-from pavejax.paczero.mechanisms import MechanismState
-from pavejax.paczero.train import ZOConfig, ZOState
+from pavejax.accounting import BudgetExceededError
+from pavejax.checkpointing import (
+    Budget,
+    Checkpoint,
+    RunMismatchError,
+    TrainCheckpointer,
+    enforce_budget,
+    resolve_budget,
+    run_record,
+    tree_fingerprint,
+)
+from pavejax.paczero.mechanisms import MechanismState, dpzo_step_event
 
-__all__ = ["load_checkpoint", "save_checkpoint"]
+if TYPE_CHECKING:
+    from pavejax.paczero.train import ZOConfig, ZOState
 
-_FORMAT, _VERSION = "pavejax.paczero.checkpoint", 1
+__all__ = ["restore_state", "resume", "save_state", "with_origin"]
 
-
-def _pack(prefix: str, tree: Any, arrays: dict[str, np.ndarray]) -> list[dict[str, Any]]:
-    meta = []
-    for i, leaf in enumerate(jax.tree.leaves(tree)):
-        a = np.asarray(leaf)
-        arrays[f"{prefix}{i}"] = np.frombuffer(a.tobytes(), np.uint8)
-        meta.append({"dtype": jnp.dtype(a.dtype).name, "shape": list(a.shape)})
-    return meta
-
-
-def _unpack(prefix: str, meta: list[dict[str, Any]], like: Any, arrays: Any) -> Any:
-    leaves, treedef = jax.tree.flatten(like)
-    if len(leaves) != len(meta):
-        raise ValueError(f"checkpoint has {len(meta)} parameter leaves but the template has "
-                         f"{len(leaves)}; pass the same trainable structure that was saved")
-    out = []
-    for i, (leaf, m) in enumerate(zip(leaves, meta, strict=True)):
-        if tuple(m["shape"]) != tuple(np.shape(leaf)) or jnp.dtype(m["dtype"]) != \
-                jnp.dtype(jnp.result_type(leaf)):
-            raise ValueError(f"leaf {i}: checkpoint has {m['dtype']}{m['shape']} but the "
-                             f"template has {jnp.result_type(leaf)}{list(np.shape(leaf))}")
-        raw = arrays[f"{prefix}{i}"]
-        out.append(jnp.asarray(np.frombuffer(raw.tobytes(), jnp.dtype(m["dtype"]))
-                               .reshape(m["shape"])))
-    return jax.tree.unflatten(treedef, out)
+PyTree = Any
+_PAC = ("zpl", "mi")
+_MI_ROUNDING = 1e-12  # relative slack of summing per-step charges in another order
 
 
-def save_checkpoint(directory: str | os.PathLike[str], state: ZOState,
-                    config: ZOConfig) -> Path:
-    """Writes ``state`` to ``directory`` atomically (a temporary sibling, then a rename)."""
-    directory = Path(directory)
-    arrays: dict[str, np.ndarray] = {}
+def _hex(x: float | None) -> str | None:
+    return None if x is None else float(x).hex()
+
+
+def _unhex(s: str | None) -> float | None:
+    return None if s is None else float.fromhex(s)
+
+
+def _origin(state: ZOState) -> str | None:
+    if state.origin is not None or state.step:
+        return state.origin
+    leaves = jax.tree.leaves(state.trainable)
+    if not all(getattr(x, "is_fully_addressable", True) for x in leaves):
+        return None  # spread over hosts: no one process can hash it
+    return tree_fingerprint(state.trainable)
+
+
+def with_origin(state: ZOState) -> ZOState:
+    """``state`` with `ZOState.origin` set to the fingerprint of θ when it is at step 0 (θ is
+    then the run's starting point); unchanged otherwise."""
+    return state if state.origin is not None else dataclasses.replace(state, origin=_origin(state))
+
+
+def _run(config: ZOConfig, state: ZOState, pool_size: int) -> dict[str, Any]:
+    return run_record("paczero", config, public_seed=int(state.public_seed),
+                      pool_size=int(pool_size), origin=_origin(state))
+
+
+def _record(state: ZOState) -> dict[str, Any]:
+    m = state.mechanism
+    return {"secret": None if state.secret is None else int(state.secret),
+            "log_posterior": [_hex(v) for v in np.asarray(m.log_posterior, np.float64).tolist()],
+            "mi_used": _hex(m.mi_used), "rng_state": m.rng_state,
+            "charges": [_hex(c) for c in state.charges], "unanimous": int(state.unanimous),
+            "releases": int(state.releases), "has_best": state.best is not None,
+            "best_dev": _hex(state.best_dev), "best_step": state.best_step,
+            "dp_noise_multiplier": _hex(state.dp_noise_multiplier),
+            "stopped": bool(state.stopped), "origin": _origin(state)}
+
+
+def _arrays(state: ZOState) -> dict[str, PyTree]:
+    out = {"trainable": state.trainable}
+    if state.best is not None:
+        out["best"] = state.best
     if state.membership is not None:
-        arrays["membership"] = np.asarray(state.membership, bool)
-    record = {
-        "format": _FORMAT, "version": _VERSION, "config": dataclasses.asdict(config),
-        "step": state.step, "public_seed": state.public_seed, "secret": state.secret,
-        "charges": list(state.charges), "unanimous": state.unanimous,
-        "releases": state.releases, "best_dev": state.best_dev, "best_step": state.best_step,
-        "dp_noise_multiplier": state.dp_noise_multiplier, "stopped": state.stopped,
-        "mechanism": {"log_posterior": state.mechanism.log_posterior.tolist(),
-                      "mi_used": state.mechanism.mi_used,
-                      "rng_state": state.mechanism.rng_state},
-        "trainable": _pack("p", state.trainable, arrays),
-        "best": None if state.best is None else _pack("b", state.best, arrays),
-    }
-    tmp = directory.with_name(directory.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    np.savez(tmp / "arrays.npz", **arrays)
-    (tmp / "state.json").write_text(json.dumps(record, allow_nan=False))
-    old = directory.with_name(directory.name + ".old")
-    if directory.exists():
-        shutil.rmtree(old, ignore_errors=True)
-        directory.rename(old)
-    tmp.rename(directory)
-    shutil.rmtree(old, ignore_errors=True)
-    return directory
+        out["membership"] = np.asarray(state.membership, bool)
+    return out
 
 
-def load_checkpoint(directory: str | os.PathLike[str], like: Any,
-                    config: ZOConfig | None = None) -> ZOState:
-    """Restores the `ZOState` saved in ``directory``; ``like`` gives the trainable structure.
+def save_state(checkpointer: TrainCheckpointer, state: ZOState, config: ZOConfig,
+               pool_size: int, *, budget: Budget | None = None) -> None:
+    """Writes ``state`` as checkpoint step ``state.step`` (an existing step is kept as is).
 
-    With ``config`` the saved config must be equal (a resumed run with other hyper-parameters is
-    not the same run); a mismatch raises ValueError naming the differing fields.
+    ``pool_size``: N, the number of pool examples (it sets the DP-ZO sampling rate of the
+    ledger). ``budget``: the run's binding DP budget, stored with the step. Raises
+    :class:`~pavejax.checkpointing.LedgerRollbackError` if the state's ledger is lower than the
+    latest saved one. The written checkpoint is secret (see the module docstring).
     """
-    directory = Path(directory)
-    try:
-        record = json.loads((directory / "state.json").read_text())
-    except FileNotFoundError as err:
-        raise ValueError(f"no checkpoint in {directory} (state.json missing)") from err
-    if record.get("format") != _FORMAT or record.get("version") != _VERSION:
-        raise ValueError(f"{directory} is not a {_FORMAT} v{_VERSION} checkpoint")
-    if config is not None:
-        saved = record["config"]
-        diff = sorted(k for k, v in dataclasses.asdict(config).items() if saved.get(k) != v)
-        if diff:
-            raise ValueError(f"checkpoint was written with a different config (fields {diff}); "
-                             "resume with the saved config")
-    with np.load(directory / "arrays.npz") as arrays:
-        trainable = _unpack("p", record["trainable"], like, arrays)
-        best = None if record["best"] is None else jax.tree.map(
-            np.asarray, _unpack("b", record["best"], like, arrays))
-        membership = np.array(arrays["membership"]) if "membership" in arrays else None
-    m = record["mechanism"]
-    mechanism = MechanismState(np.asarray(m["log_posterior"], np.float64), m["mi_used"],
-                               m["rng_state"])
-    return ZOState(step=record["step"], trainable=trainable, public_seed=record["public_seed"],
-                   mechanism=mechanism, membership=membership, secret=record["secret"],
-                   charges=tuple(record["charges"]), unanimous=record["unanimous"],
-                   releases=record["releases"], best=best, best_dev=record["best_dev"],
-                   best_step=record["best_step"],
-                   dp_noise_multiplier=record["dp_noise_multiplier"], stopped=record["stopped"])
+    checkpointer.save(Checkpoint(int(state.step), _arrays(state), None,
+                                 state.ledger(config, pool_size), _run(config, state, pool_size),
+                                 _record(state), budget))
+
+
+def _template(config: ZOConfig, state: ZOState, pool_size: int):
+    def like(record: dict[str, Any]) -> dict[str, PyTree]:
+        out = {"trainable": state.trainable}
+        if record.get("has_best"):
+            out["best"] = state.trainable
+        if config.mechanism in _PAC:
+            out["membership"] = np.zeros((pool_size, config.num_subsets), bool)
+        return out
+
+    return like
+
+
+def _same_secrets(a: ZOState, b: ZOState) -> bool:
+    if a.secret != b.secret or (a.membership is None) != (b.membership is None):
+        return False
+    return a.membership is None or np.array_equal(a.membership, b.membership)
+
+
+def _restore(checkpointer: TrainCheckpointer, config: ZOConfig, state: ZOState,
+             pool_size: int) -> tuple[ZOState | None, Budget | None]:
+    ckpt = checkpointer.restore_latest(_template(config, state, pool_size),
+                                       run=_run(config, state, pool_size),
+                                       ledger=state.ledger(config, pool_size))
+    if ckpt is None:
+        return None, None
+    m, a = ckpt.mechanism, ckpt.arrays
+    mechanism = MechanismState(np.asarray([_unhex(v) for v in m["log_posterior"]], np.float64),
+                               _unhex(m["mi_used"]), m["rng_state"])
+    # The uninterrupted run keeps its best copy on the host.
+    best = jax.tree.map(np.array, a["best"]) if m["has_best"] else None
+    restored = dataclasses.replace(
+        state, step=ckpt.step, trainable=a["trainable"], mechanism=mechanism,
+        membership=np.asarray(a["membership"], bool) if "membership" in a else None,
+        secret=m["secret"], charges=tuple(_unhex(c) for c in m["charges"]),
+        unanimous=m["unanimous"], releases=m["releases"], best=best,
+        best_dev=_unhex(m["best_dev"]), best_step=m["best_step"],
+        dp_noise_multiplier=_unhex(m["dp_noise_multiplier"]), stopped=m["stopped"],
+        origin=m["origin"])
+    if state.step and not _same_secrets(state, restored):
+        raise RunMismatchError(f"the state passed (step {state.step}) has another secret subset "
+                               f"or membership matrix than the checkpoint in "
+                               f"{checkpointer.directory}: it belongs to another run. Pass a fresh "
+                               "init_state (or this run's state) to resume, or use a new directory")
+    if restored.ledger(config, pool_size) != ckpt.ledger:
+        raise ValueError(f"the checkpoint in {checkpointer.directory} (step {ckpt.step}) holds a "
+                         "ledger that does not match its own charges and step count; it is "
+                         "corrupt: resume from an intact copy or start a new directory")
+    return restored, ckpt.budget
+
+
+def restore_state(checkpointer: TrainCheckpointer, config: ZOConfig, state: ZOState,
+                  pool_size: int) -> ZOState | None:
+    """The `ZOState` of the latest checkpoint, or None when there is none.
+
+    ``state`` is the template: its trainable gives the structure, dtypes and shardings the
+    arrays are restored onto, and with its public seed and origin (and ``config`` and
+    ``pool_size``) it must describe the saved run, otherwise
+    :class:`~pavejax.checkpointing.RunMismatchError` names the differing fields. A template at
+    step 0 (e.g. a fresh, OS-seeded `init_state`) takes the checkpoint's membership matrix,
+    secret and generator; a template past step 0 must hold the same secrets, and its ledger may
+    not be ahead of the checkpoint's
+    (:class:`~pavejax.checkpointing.LedgerRollbackError`). The result holds the saved secrets:
+    keep it private.
+    """
+    return _restore(checkpointer, config, state, pool_size)[0]
+
+
+def _check_mi_budget(config: ZOConfig, state: ZOState) -> None:
+    spent = math.fsum(state.charges)
+    if spent > config.mi_budget * (1.0 + _MI_ROUNDING) or state.mi_used > config.mi_budget:
+        raise BudgetExceededError(f"the run has charged {spent:.6g} nats but mi_budget is "
+                                  f"{config.mi_budget:g}: it cannot continue (the checkpoint "
+                                  "is inconsistent with its budget; start a new run)")
+
+
+def resume(checkpointer: TrainCheckpointer, config: ZOConfig, state: ZOState,
+           pool_size: int) -> tuple[ZOState, Budget | None]:
+    """What `train` does with a ``checkpointer`` before its first step.
+
+    Returns the state to continue from (the latest checkpoint's, or ``state`` with its origin
+    set) and the run's binding DP budget (the stored one, else ``checkpointer.budget``). Raises
+    ValueError for a DP budget on a non-DP-ZO run, and
+    :class:`~pavejax.accounting.BudgetExceededError` when DP-ZO's remaining steps would exceed
+    the budget or an MI run's charges exceed ``config.mi_budget``; errors of `restore_state`
+    propagate.
+    """
+    if checkpointer.budget is not None and config.mechanism != "dpzo":
+        raise ValueError(f"a checkpointer budget (epsilon, delta) binds DP-ZO runs only; "
+                         f"mechanism {config.mechanism!r} is bounded in nats by its config "
+                         "(mi_budget for 'mi', 0 for 'zpl') or not private ('mezo'): create "
+                         "the TrainCheckpointer without a budget")
+    state = with_origin(state)
+    restored, stored = _restore(checkpointer, config, state, pool_size)
+    state = state if restored is None else restored
+    budget = resolve_budget(stored, checkpointer.budget)
+    if config.mechanism == "dpzo" and budget is not None:
+        event = dpzo_step_event(state.dp_noise_multiplier, q=config.dp_batch_size / pool_size,
+                                num_directions=config.num_directions)
+        enforce_budget(state.ledger(config, pool_size), budget, event, config.steps - state.step)
+    if config.mechanism == "mi":
+        _check_mi_budget(config, state)
+    return state, budget

@@ -13,9 +13,10 @@ inference memory plus one copy of the trainable weights. With K > 1 the update r
 each z_k.
 
 Dev-set selection evaluates ``dev_fn(trainable)`` (lower is better) every ``eval_every`` steps;
-the dev data lies outside the pool, so selection does not touch the secret. Checkpoints (see
-`pavejax.paczero.checkpoint`) restore the posterior, the budget used and every generator, so a
-resumed run equals an uninterrupted one bit for bit.
+the dev data lies outside the pool, so selection does not touch the secret. With a
+:class:`~pavejax.checkpointing.TrainCheckpointer` the run saves its whole state (posterior,
+budget used, every generator, ledger; see `pavejax.paczero.checkpoint`) and resumes from it, so
+a killed and resumed run equals an uninterrupted one bit for bit.
 """
 
 from __future__ import annotations
@@ -31,7 +32,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from pavejax.accounting import Ledger, calibrate_noise
+from pavejax.checkpointing import TrainCheckpointer
 from pavejax.paczero import mechanisms as mech
+from pavejax.paczero.checkpoint import resume, save_state, with_origin
 from pavejax.paczero.perturb import (
     apply_directions,
     clip_differences,
@@ -117,6 +120,8 @@ class ZOState:
     (secret). membership: (N, M) bool (public) or None. secret: j* (secret) or None.
     charges: nats charged per step. unanimous / releases: counts for the unanimity rate.
     dp_noise_multiplier: σ of DP-ZO (relative to clip) or None. stopped: budget exhausted.
+    origin: sha256 fingerprint of θ at step 0 (set by `train`; names the run's starting point in
+    its checkpoints) or None.
     """
 
     step: int
@@ -133,6 +138,7 @@ class ZOState:
     best_step: int | None = None
     dp_noise_multiplier: float | None = None
     stopped: bool = False
+    origin: str | None = None
 
     @property
     def unanimity_rate(self) -> float:
@@ -311,21 +317,32 @@ def _maybe_eval(state: ZOState, dev_fn: Callable | None) -> ZOState:
 
 def train(config: ZOConfig, loss_fn: Callable, state: ZOState, frozen: PyTree, pool: PyTree,
           *, dev_fn: Callable[[PyTree], float] | None = None, until: int | None = None,
-          checkpoint_dir: Any = None, checkpoint_every: int = 0,
-          progress: bool = False) -> ZOState:
+          checkpointer: TrainCheckpointer | None = None, progress: bool = False) -> ZOState:
     """Runs steps ``state.step .. until`` (default T) and returns the new state.
 
     ``pool``: pytree of arrays with a leading example axis N (the candidate pool for PACZero, the
     private training set for MeZO/DP-ZO). ``loss_fn(trainable, frozen, example)`` -> scalar.
-    ``dev_fn(trainable)`` -> dev loss for selection. With ``checkpoint_dir`` and
-    ``checkpoint_every`` a checkpoint is written every that many steps and at the end.
-    PACZero-MI stops early once its budget is spent. ``progress`` shows a bar with the unanimity
-    rate and the nats used.
-    """
-    from pavejax.paczero.checkpoint import save_checkpoint
+    ``dev_fn(trainable)`` -> dev loss for selection. PACZero-MI stops early once its budget is
+    spent. ``progress`` shows a bar with the unanimity rate and the nats used.
 
+    With ``checkpointer`` the run first resumes from its latest checkpoint when there is one
+    (`pavejax.paczero.checkpoint.restore_state`: ``state`` is the template, and a fresh
+    `init_state` takes the saved membership, secret and generator), then saves every
+    ``checkpointer.every`` steps and when it returns, so a run killed at any point and resumed
+    ends bit-identical to an uninterrupted one (θ, best, posterior, charges, counts, ledger).
+    Refusals before the first step: ``RunMismatchError`` (another config, public seed, pool size
+    or starting θ), ``LedgerRollbackError`` (``state`` is ahead of the checkpoint; both from
+    :mod:`pavejax.checkpointing`), and :class:`~pavejax.accounting.BudgetExceededError` when
+    DP-ZO's remaining steps would exceed the checkpointer's (epsilon, delta) budget (the one
+    stored with the first checkpoint binds) or the charges exceed ``mi_budget``. The checkpoint
+    holds the secret index and generator state: keep it private, it is not a release.
+    """
     n = int(jax.tree.leaves(pool)[0].shape[0])
     until = config.steps if until is None else min(int(until), config.steps)
+    state = with_origin(state)  # so that a later checkpointer knows where the run started
+    budget = None
+    if checkpointer is not None:
+        state, budget = resume(checkpointer, config, state, n)
     fns = device_functions(loss_fn, config.microbatch_size)
     eps, clip = jnp.float32(config.eps), jnp.float32(config.clip)
     membership = None if state.membership is None else jnp.asarray(state.membership)
@@ -361,8 +378,9 @@ def train(config: ZOConfig, loss_fn: Callable, state: ZOState, frozen: PyTree, p
             and state.step + 1 < config.steps)
         if config.eval_every and state.step % config.eval_every == 0:
             state = _maybe_eval(state, dev_fn)
-        if checkpoint_dir is not None and checkpoint_every and state.step % checkpoint_every == 0:
-            save_checkpoint(checkpoint_dir, state, config)
+        last = state.step >= until or state.stopped  # saved below, after the final selection
+        if checkpointer is not None and not last and checkpointer.should_save(state.step):
+            save_state(checkpointer, state, config, n, budget=budget)
         if bar is not None:
             bar.update(1)
             bar.set_postfix(unanimity=f"{state.unanimity_rate:.3f}", mi=f"{state.mi_used:.4g}")
@@ -371,6 +389,6 @@ def train(config: ZOConfig, loss_fn: Callable, state: ZOState, frozen: PyTree, p
     finished = state.step >= config.steps or state.stopped
     if finished and (not config.eval_every or state.step % config.eval_every):
         state = _maybe_eval(state, dev_fn)  # an interrupted run must not select here
-    if checkpoint_dir is not None:
-        save_checkpoint(checkpoint_dir, state, config)
+    if checkpointer is not None:
+        save_state(checkpointer, state, config, n, budget=budget)
     return state
