@@ -1,0 +1,228 @@
+"""benchmarks/dp_merging.py: settings checks, the cached top of the model against a real BERT
+layer, the vmapped private trainer on a synthetic task, merges of unchanged and identical models,
+the summary and the plot, and one end-to-end run on real MiniLM and real text (BBC)."""
+
+import importlib
+import json
+import math
+import statistics
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from pavejax.models import BertConfig, BertEncoder, mean_pool
+from pavejax.privacy.sampling import BatchOverflowError
+
+_BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    sys.path.insert(0, str(_BENCH))
+    try:
+        yield importlib.import_module("dp_merging")
+    finally:
+        sys.path.remove(str(_BENCH))
+
+
+def _settings(bench, **changes):
+    base = dict(tasks=("a", "b"), n_train=64, n_test=48, seq_len=4, steps=40,
+                epsilons=(4.0, math.inf), seeds=1, rank=2, learning_rate=5e-2, wudi_iters=5,
+                sharp_examples=16)
+    return bench.Settings(**(base | changes))
+
+
+@pytest.mark.parametrize("changes, match", [
+    ({"tasks": ()}, "tasks must be distinct and non-empty"),
+    ({"tasks": ("a", "a")}, "tasks must be distinct and non-empty"),
+    ({"n_train": 0}, "n_train must be a positive int"),
+    ({"steps": 2.5}, "steps must be a positive int"),
+    ({"batch": 128}, r"batch \(128\) must not exceed n_train \(64\)"),
+    ({"epsilons": ()}, "epsilons must be a non-empty tuple"),
+    ({"epsilons": (4.0, 0.0)}, "epsilons must be a non-empty tuple"),
+])
+def test_settings_reject_bad_values(bench, changes, match):
+    with pytest.raises(ValueError, match=match):
+        _settings(bench, **changes)
+
+
+def test_modes_follow_the_paper_where_stated(bench):
+    for s in (bench.QUICK, bench.MID, bench.FULL):
+        assert (s.l2_clip, s.rho, s.batch, s.weight_decay) == (0.2, 0.05, 16, 1e-2)
+        assert 4.0 in s.epsilons and math.inf in s.epsilons
+    assert bench.METHODS["dpm"] == ("same", 0.05) and bench.METHODS["naive"] == ("none", 0.0)
+    for s in (bench.MID, bench.FULL):  # "10 training epochs"
+        assert s.steps * s.batch == 10 * s.n_train
+        assert s.epsilons == (1.0, 4.0, 8.0, math.inf) and len(s.tasks) == 5
+
+
+def test_cached_top_equals_the_adapted_bert_layer(bench, getkey):
+    """``LayerNorm(z + v B)`` from the cache == the encoder run with W2 + A B (tiny BERT)."""
+    enc = BertEncoder(BertConfig.tiny(), rngs=nnx.Rngs(0))
+    hidden, classes, rank = enc.config.hidden_size, 3, 2
+    head = jax.random.normal(getkey(), (hidden, classes))
+    w0, a = bench.initial_params(enc, getkey(), head, rank)
+    assert w0["lora_b"].shape == (rank, hidden) and a.shape == (enc.config.intermediate_size, rank)
+    p = {"lora_b": jax.random.normal(getkey(), (rank, hidden)),
+         "scale": w0["scale"] + 0.3 * jax.random.normal(getkey(), (hidden,)),
+         "bias": w0["bias"] + 0.3 * jax.random.normal(getkey(), (hidden,)), "head": head}
+    ids = jax.random.randint(getkey(), (5, 7), 1, 128)
+    mask = (jnp.arange(7)[None, :] < jnp.asarray([7, 3, 5, 1, 6])[:, None]).astype(jnp.int32)
+    z, v, m = nnx.jit(bench.encode_prefix)(enc, ids, mask, a)
+    cols = jnp.ones((classes,), bool)
+    got = jax.vmap(lambda z, v, m: bench.example_logits(
+        p, cols, {"z": z, "v": v, "m": m}, enc.config.layer_norm_eps))(z, v, m)
+
+    top = enc.layers[-1]
+    top.output.kernel[...] = top.output.kernel[...] + a @ p["lora_b"]
+    top.norm.scale[...], top.norm.bias[...] = p["scale"], p["bias"]
+    pooled = mean_pool(enc(ids, mask), mask)
+    want = bench.TEMPERATURE * (pooled / jnp.linalg.norm(pooled, axis=1, keepdims=True)) @ head
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-4)
+
+
+def _synthetic(seed, n, hidden=8, length=4, rank=2, classes=3, tasks=2):
+    """Task t uses classes {0, 1} (t = 0) or {0, 1, 2}; the class shifts a token direction."""
+    rng = np.random.default_rng(seed)
+    dirs = rng.normal(size=(classes, hidden)) * 3.0
+    train, cols = [], []
+    for t in range(tasks):
+        k = 2 + min(t, 1)
+        y = rng.integers(0, k, n)
+        z = rng.normal(size=(n, length, hidden)) + dirs[y][:, None, :]
+        train.append({"z": jnp.asarray(z, jnp.float32),
+                      "v": jnp.asarray(rng.normal(size=(n, length, rank)), jnp.float32),
+                      "m": jnp.ones((n, length), bool), "y": jnp.asarray(y, jnp.int32)})
+        cols.append(np.arange(classes) < k)
+    return train, jnp.asarray(np.stack(cols))
+
+
+def _w0(seed, hidden=8, rank=2, classes=3):
+    rng = np.random.default_rng(seed)
+    head = rng.normal(size=(hidden, classes))
+    return {"lora_b": jnp.zeros((rank, hidden)), "scale": jnp.ones((hidden,)),
+            "bias": jnp.zeros((hidden,)),
+            "head": jnp.asarray(head / np.linalg.norm(head, axis=0), jnp.float32)}
+
+
+def _stack(ds):
+    return jax.tree.map(lambda *xs: jnp.stack(xs), *ds)
+
+
+def test_trainer_learns_and_the_anchor_bounds_drift(bench, key):
+    s = _settings(bench)
+    train, cols = _synthetic(0, s.n_train)
+    w0, model = _w0(1), bench.Model(1e-12)
+    keys = jnp.stack([jnp.stack([jax.random.fold_in(key, t) for t in range(2)])] * 2)
+    anchor = bench.METHODS["anchor"][1]
+    params = bench.make_trainer(model, "none", s)(
+        keys, _stack(train), cols, w0, jnp.asarray([0.0, 0.0], jnp.float32),
+        jnp.asarray([0.0, anchor], jnp.float32))
+    for t in range(2):
+        before = float(model.accuracy(w0, cols[t], train[t]))
+        free, anchored = (jax.tree.map(lambda x: x[r, t], params) for r in range(2))  # noqa: B023
+        assert float(model.accuracy(free, cols[t], train[t])) >= max(0.9, before + 0.1)
+        assert float(model.accuracy(anchored, cols[t], train[t])) > before
+        drift = [float(jnp.sqrt(sum(jnp.sum(jnp.square(x - y)) for x, y in zip(
+            jax.tree.leaves(p), jax.tree.leaves(w0), strict=True)))) for p in (free, anchored)]
+        assert 0 < drift[1] < 0.5 * drift[0]
+        for p in (free, anchored):  # columns outside the task's classes never move
+            np.testing.assert_array_equal(np.asarray(p["head"])[:, ~np.asarray(cols[t])],
+                                          np.asarray(w0["head"])[:, ~np.asarray(cols[t])])
+
+
+def test_merges_of_unchanged_or_identical_models(bench):
+    train, cols = _synthetic(4, 40)
+    w0, model = _w0(5), bench.Model(1e-12)
+    s = _settings(bench)
+    zero = statistics.fmean(float(model.accuracy(w0, cols[t], train[t])) for t in range(2))
+    # All-zero task vectors: every operator returns w0.
+    got = bench._score_merges(model, s, w0, [w0, w0], cols, train)
+    assert set(got) == set(bench.MERGES) and all(v == zero for v in got.values())
+    # Two copies of one model: weight averaging returns it.
+    p = jax.tree.map(lambda x: x + 0.3, w0)
+    same = statistics.fmean(float(model.accuracy(p, cols[t], train[t])) for t in range(2))
+    assert bench._score_merges(model, s, w0, [p, p], cols, train)["wa"] == same
+
+
+def test_check_draws_refuses_overflow_and_non_finite(bench):
+    bench.check_draws(45, 45, 0)
+    with pytest.raises(BatchOverflowError, match="46 examples exceeded the padded batch 45"):
+        bench.check_draws(46, 45, 0)
+    with pytest.raises(ValueError, match="3 non-finite per-example"):
+        bench.check_draws(10, 45, 3)
+
+
+def test_noise_is_calibrated_per_mode(bench):
+    s = _settings(bench, n_train=256, steps=160)
+    assert bench.noise_for("same", math.inf, s) == (0.0, math.inf)
+    (z_none, e_none), (z_same, e_same) = (bench.noise_for(m, 4.0, s) for m in ("none", "same"))
+    assert 3.9 < e_none <= 4.0 and 3.9 < e_same <= 4.0
+    assert z_same > 1.2 * z_none
+
+
+def test_plot_writes_a_png(bench, tmp_path):
+    pytest.importorskip("matplotlib")
+    rows = [bench._row("zero_shot", "w0", None, "a", [0.6])]
+    rows += [bench._row("merged", k, e, op, [0.7, 0.72]) for k in bench.METHODS
+             for e in (4.0, math.inf) for op in bench.MERGES]
+    png = bench.plot(rows, tmp_path / "p.png")
+    assert Path(png).read_bytes()[:4] == b"\x89PNG"
+
+
+def test_summary_counts_wins_and_pairs_seeds(bench):
+    s = _settings(bench, epsilons=(4.0,), seeds=2)
+    runs = {(k, 4.0, op): [0.6, 0.7] for k in bench.METHODS for op in bench.MERGES}
+    runs["dpm", 4.0, "wa"] = [0.7, 0.6]        # same mean: counts as a win (>=)
+    runs["dpm", 4.0, "ta"] = [0.5, 0.6]        # loses by 0.1
+    runs["dpm", 4.0, "ties"] = [0.7, 0.8]      # wins by 0.1
+    runs["dpm", 4.0, "pcb"] = [0.6, 0.69]      # loses by 0.005
+    runs["dpm", 4.0, "wudi"] = [0.9, 0.5]      # same mean
+    for k in bench.METHODS:
+        runs[k, 4.0, "accuracy"] = [0.8, 0.9] if k == "dpm" else [0.75, 0.75]
+        runs[k, 4.0, "drift"], runs[k, 4.0, "hessian_top"] = [1.0, 3.0], [2.0, 2.0]
+    rows = [{"kind": "zero_shot", "accuracy": 0.5}, {"kind": "zero_shot", "accuracy": 0.7}]
+    out = bench._summary(s, rows, runs)
+    assert out["dpm_wins_at_eps4"] == 3 and out["target_met"] is False
+    assert out["naive_wa"] == pytest.approx(0.65) and out["dpm_ta"] == pytest.approx(0.55)
+    assert out["dpm_minus_naive_wa"] == pytest.approx(0.0)
+    assert out["dpm_minus_naive_wa_std"] == pytest.approx(math.sqrt(0.02))  # diffs +0.1, -0.1
+    assert out["dpm_minus_naive_ties"] == pytest.approx(0.1)
+    assert out["zero_shot"] == pytest.approx(0.6) and out["summary_epsilon"] == 4.0
+    assert out["dpm_minus_naive_individual"] == pytest.approx(0.1)
+    assert out["naive_individual_std"] == 0.0 and out["dpm_drift"] == pytest.approx(2.0)
+
+
+@pytest.mark.assets
+@pytest.mark.slow
+def test_benchmark_end_to_end_on_real_minilm_one_task(bench, tmp_path):
+    s = bench.Settings(("bbc",), n_train=32, n_test=24, seq_len=8, steps=6,
+                       epsilons=(4.0, math.inf), seeds=1, wudi_iters=2, sharp_examples=8)
+    config, rows, summary = bench.run(s, log=lambda m: None)
+    assert config["tasks"] == ["bbc"] and len(config["prompts"]) == len(bench.CLASSES)
+    kinds = [r["kind"] for r in rows]
+    assert kinds.count("zero_shot") == 1 and kinds.count("individual") == len(bench.METHODS) * 2
+    assert kinds.count("merged") == len(bench.METHODS) * 2 * len(bench.MERGES)
+    # The zero-shot prompt head is a real classifier: 5 topics, chance 0.2.
+    assert rows[0]["accuracy"] >= 0.5
+    for r in rows:
+        assert 0.0 <= r["accuracy"] <= 1.0
+        if r["kind"] == "individual":
+            assert r["drift"] > 0 and math.isfinite(r["sharpness"] + r["hessian_top"])
+        if r["kind"] != "zero_shot":
+            assert (r["sigma"] == 0) == math.isinf(r["epsilon"])
+            assert r["claimed_eps"] <= r["epsilon"]
+        if r["kind"] == "merged" and r["task"] == "wa":
+            assert r["gap"] == 0.0  # one task: weight averaging returns its own model
+    sigma = {r["method"]: r["sigma"] for r in rows if r["kind"] == "individual"
+             and r["epsilon"] == 4.0}
+    assert sigma["dpm"] > sigma["naive"] == sigma["anchor"] == sigma["random"]
+    assert summary["target_met"] == (summary["dpm_wins_at_eps4"] >= 4)
+    out = tmp_path / "r.json"
+    bench.emit("dp_merging", config, rows, summary, out)
+    assert set(json.loads(out.read_text())) == {"benchmark", "config", "rows", "summary", "env"}
