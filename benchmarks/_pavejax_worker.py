@@ -9,7 +9,10 @@ same SGD update.
 
 Settings (the same as the Opacus worker):
   ``lora``: LoRA rank r on every query and value kernel (A frozen, B trained) plus the
-    classification head; everything else frozen.
+    classification head; everything else frozen. The adapters run factored inside the model
+    (``pavejax.lora.LoraAdapters``: ``x W + (x A) B``, as Opacus' ``LoraLinear``), so the
+    per-example gradient of each B is a rank-r product; ``lora_mode="merged"`` in the setup
+    request runs ``apply_lora``'s merged weights instead (for comparison).
   ``full``: every parameter the classifier uses is trained (the unused BERT pooler is frozen,
     as the torch model has none).
 """
@@ -26,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from pavejax.lora import LoraConfig, apply_lora, init_lora
+from pavejax.lora import LoraAdapters, LoraConfig, apply_lora, init_lora
 from pavejax.models import TextClassifier, load_bert
 from pavejax.privacy import ClipConfig, clipped_sum, privatize_sum
 
@@ -34,9 +37,12 @@ PyTree = Any
 WORD_EMBEDDINGS = "encoder/embeddings/word/embedding"
 
 
+LORA_MODES = ("factored", "merged")
+
+
 def lora_paths(num_layers: int) -> dict[str, str]:
-    """Shared-file key of each LoRA factor A -> its path in the encoder params."""
-    return {f"lora_a_{i}_{proj}": f"layers/{i}/attention/{proj}/kernel"
+    """Shared-file key of each LoRA factor A -> its path in the classifier params."""
+    return {f"lora_a_{i}_{proj}": f"encoder/layers/{i}/attention/{proj}/kernel"
             for i in range(num_layers) for proj in ("query", "value")}
 
 
@@ -66,9 +72,12 @@ class Setting:
         self.setting = request["setting"]
         if self.setting == "lora":
             self.lora = LoraConfig(rank=int(request["rank"]))
+            self.lora_mode = request.get("lora_mode", "factored")
+            if self.lora_mode not in LORA_MODES:
+                raise ValueError(f"lora_mode must be one of {LORA_MODES}, got {self.lora_mode!r}")
             names = lora_paths(encoder.config.num_layers)
             wanted = set(names.values())
-            b, a = init_lora(jax.random.key(0), params["encoder"],
+            b, a = init_lora(jax.random.key(0), params,
                              lambda path, leaf: path in wanted, self.lora)
             for key, path in names.items():
                 a[path] = jnp.asarray(shared[key])
@@ -91,18 +100,23 @@ class Setting:
         ]
 
     def params(self, trainable: PyTree, frozen: PyTree) -> PyTree:
-        """The full pure-dict parameters of the classifier."""
+        """The full pure-dict parameters of the classifier (LoRA merged only if so asked)."""
         if self.setting == "lora":
-            encoder = apply_lora(frozen["encoder"], trainable["B"], frozen["A"], self.lora)
-            head = trainable["head"]
+            params = {"encoder": frozen["encoder"], "head": trainable["head"]}
+            if self.lora_mode == "merged":
+                params = apply_lora(params, trainable["B"], frozen["A"], self.lora)
         else:
-            encoder, head = trainable["encoder"], trainable["head"]
-        return {"encoder": {**encoder, "pooler": frozen["pooler"]}, "head": head}
+            params = {"encoder": trainable["encoder"], "head": trainable["head"]}
+        return {"encoder": {**params["encoder"], "pooler": frozen["pooler"]},
+                "head": params["head"]}
 
     def loss(self, trainable: PyTree, frozen: PyTree, batch: dict[str, jax.Array]) -> jax.Array:
         """Mean loss; ``batch`` leaves are (B, T)/(B,) or a single example (T,)/()."""
         model = nnx.merge(self.graphdef, self.params(trainable, frozen))
-        logits = model(batch["input_ids"], batch["attention_mask"])
+        lora = None
+        if self.setting == "lora" and self.lora_mode == "factored":
+            lora = LoraAdapters(trainable["B"], frozen["A"], self.lora)
+        logits = model(batch["input_ids"], batch["attention_mask"], lora=lora)
         return cross_entropy(logits, batch["label"])
 
 

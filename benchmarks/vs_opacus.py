@@ -7,7 +7,10 @@ of every trainable parameter clipped jointly to L2 norm 1, Gaussian noise with m
 the sum, division by the batch size, one SGD step. Two settings:
 
   ``lora``  LoRA r=8 on every query and value projection (B trained, A frozen) + the head;
-            Opacus with ``grad_sample_mode="hooks"``.
+            Opacus with ``grad_sample_mode="hooks"``; pavejax with the adapters applied
+            factored inside the model (``pavejax.lora.LoraAdapters``: ``x W + (x A) B``, the
+            same computation as Opacus' ``LoraLinear``; merging ``W + A B`` instead costs a
+            dense ``d_in x d_out`` cotangent per example and adapted kernel, about 10% slower).
   ``full``  every parameter trained (22.6M; the BERT pooler is unused by mean pooling and left
             out on both sides); Opacus with ghost clipping (``grad_sample_mode="ghost"``);
             pavejax with ``sparse_rows`` for the word-embedding table and microbatching.
@@ -82,7 +85,8 @@ class Config:
     steps_per_round: int = 3
     # Examples per vmapped chunk on the pavejax side: smaller chunks keep fewer per-example
     # gradients and activations alive and, on CPU, run faster or as fast (measured step time:
-    # LoRA 4 < 8 < 16 < 32 by up to 25%; full 4 and 8 within 3%, 2 and 1 slower).
+    # factored LoRA 4 and 8 within 2%, 32 about 40% slower; full 4 and 8 within 3%, 2 and 1
+    # slower).
     microbatch_full: int | None = 4
     microbatch_lora: int | None = 4
     seed: int = 0

@@ -17,6 +17,13 @@ leaf's path string (key names joined by ``"/"``, e.g. ``"encoder/layer_0/query/k
 dict keeps ``A`` out of any pytree handed to ``jax.grad``/optimisers, flattens in sorted path
 order (the same order as :func:`flatten_B`), and serialises as it is.
 
+Merged or factored. :func:`apply_lora` merges the delta into the params (works with any model).
+A model that takes ``lora=LoraAdapters(B, A, config)`` (the BERT encoder and text classifier of
+:mod:`pavejax.models`) instead adds ``(alpha / r) * (x A) B`` to each adapted layer's output:
+the same function, and per-example gradients of ``B`` that are rank-r products rather than
+projections of a dense ``(d_in, d_out)`` cotangent per example, which makes DP-SGD with LoRA
+cheaper. :func:`lora_update` is the term itself, for other models.
+
 Secret A. ``A`` is derived from the key with ``jax.random.fold_in(key, i)``, ``i`` the position
 of the leaf in sorted path order, so one key and one selection always give the same ``A``. The
 conditional sketch guarantee of compact PAVE needs ``A`` (and its key) to stay secret; release
@@ -251,6 +258,114 @@ def apply_lora(params: PyTree, B: Mapping[str, jax.Array], A: Mapping[str, jax.A
         return w + delta.reshape(np.shape(w)).astype(w.dtype)
 
     return jax.tree_util.tree_map_with_path(update, params)
+
+
+@jax.tree_util.register_pytree_with_keys_class
+class LoraAdapters:
+    """LoRA factors handed to a model's forward pass, applied factored instead of merged.
+
+    A model that accepts ``lora=LoraAdapters(B, A, config)`` computes, at every adapted dense
+    kernel ``W`` (path ``p``, relative to the module called),
+
+        y = x @ W + bias + (alpha / r) * (x @ A[p]) @ B[p],
+
+    which equals ``x @ (W + (alpha / r) * A[p] @ B[p]) + bias`` (the params of
+    :func:`apply_lora`) up to float rounding, so outputs and gradients are those of the merged
+    model. Why factored: the gradient w.r.t. ``B[p]`` is then ``(alpha / r) * (x A)^T delta``, a
+    rank-r product, whereas differentiating through the merged weight first forms the
+    ``(d_in, d_out)`` cotangent ``x^T delta`` and projects it with ``A^T``. Per example (DP-SGD
+    with per-example clipping) that dense cotangent is formed once per example and adapted
+    kernel; the factored form never builds it. The forward pass costs two extra rank-r matmuls
+    per adapted kernel instead of one ``(d_in, r) @ (r, d_out)`` merge.
+
+    ``B`` and ``A`` are the dicts of :func:`init_lora` (keyed by path strings relative to the
+    module called). A pytree (``B`` and ``A`` are its children, ``config`` is static), so it
+    passes through ``jax.jit``/``vmap``/``grad``; ``B`` is what ``jax.grad`` should see (put it in
+    the trainable pytree and build the adapters inside the loss). Models that support it:
+    :class:`pavejax.models.BertEncoder` and :class:`pavejax.models.TextClassifier`; any model can
+    apply a factor pair with :func:`lora_update`.
+
+    Sharp edges: the adapter product runs in ``x``'s dtype at the highest matmul precision (as
+    :func:`lora_delta`), while the merged path casts ``A @ B`` to the kernel's dtype first; with
+    float32 kernels both agree to float32 rounding. No finiteness checks (as :func:`apply_lora`).
+    """
+
+    def __init__(self, B: Mapping[str, jax.Array], A: Mapping[str, jax.Array],
+                 config: LoraConfig):
+        if not isinstance(config, LoraConfig):
+            raise TypeError(f"config must be a LoraConfig, got {type(config).__name__}.")
+        _check_pair(B, A, config)
+        self.B, self.A, self.config = dict(B), dict(A), config
+
+    def tree_flatten_with_keys(self):
+        keys = jax.tree_util.GetAttrKey
+        return ((keys("B"), self.B), (keys("A"), self.A)), self.config
+
+    @classmethod
+    def tree_unflatten(cls, config, children):
+        # No validation: tree utilities rebuild nodes with arbitrary leaves (None, sentinels).
+        out = object.__new__(cls)
+        out.B, out.A = children
+        out.config = config
+        return out
+
+    @property
+    def paths(self) -> tuple[str, ...]:
+        """The adapted paths, sorted."""
+        return tuple(sorted(self.B))
+
+    def __contains__(self, path: str) -> bool:
+        return path in self.B
+
+    def __repr__(self) -> str:
+        return f"LoraAdapters(paths={list(self.paths)}, config={self.config})"
+
+    def under(self, prefix: str) -> LoraAdapters:
+        """The adapters whose path starts with ``prefix + "/"``, re-rooted below ``prefix``."""
+        head = prefix.rstrip("/") + "/"
+        keep = [p for p in self.B if p.startswith(head)]
+        return LoraAdapters({p[len(head):]: self.B[p] for p in keep},
+                            {p[len(head):]: self.A[p] for p in keep}, self.config)
+
+    def check_targets(self, targets: Mapping[str, tuple[int, int]], where: str) -> None:
+        """Raises ``ValueError`` unless every path is a key of ``targets`` ({path: (d_in,
+        d_out)}, the kernels ``where`` can adapt factored) with factors of matching shape."""
+        unknown = [p for p in self.paths if p not in targets]
+        if unknown:
+            shown = ", ".join(repr(p) for p in sorted(targets)[:_SHOWN_PATHS])
+            raise ValueError(
+                f"{where} cannot apply factored LoRA at {unknown}: paths are relative to the "
+                f"module called, and the adaptable kernels include {shown} ... Build the factors "
+                f"with init_lora on that module's params, or merge them with apply_lora.")
+        for p in self.paths:
+            d_in, d_out = targets[p]
+            if (np.shape(self.A[p])[0], np.shape(self.B[p])[1]) != (d_in, d_out):
+                raise ValueError(f"at {p!r} the kernel ({d_in}, {d_out}) needs A ({d_in}, r) and "
+                                 f"B (r, {d_out}), got A {np.shape(self.A[p])} and "
+                                 f"B {np.shape(self.B[p])}.")
+
+    def update(self, path: str, x: jax.Array) -> jax.Array:
+        """``(alpha / r) * (x @ A[path]) @ B[path]``: (..., d_in) -> (..., d_out), ``x``'s dtype."""
+        return lora_update(x, self.A[path], self.B[path], self.config)
+
+
+def lora_update(x: jax.Array, a: jax.Array, b: jax.Array, config: LoraConfig) -> jax.Array:
+    """The factored LoRA term ``(alpha / r) * (x @ a) @ b`` to add to a dense layer's output.
+
+    Args:
+      x: (..., d_in) inputs of the adapted dense layer (floating).
+      a: (d_in, r) frozen factor; b: (r, d_out) trainable factor (as :func:`init_lora` makes).
+      config: the :class:`LoraConfig` (only its scale is used).
+
+    Returns:
+      (..., d_out) in ``x``'s dtype. Both products run at the highest matmul precision; the
+      scale multiplies the rank-r intermediate (skipped when it is 1). Pure and jittable.
+    """
+    hi = jax.lax.Precision.HIGHEST
+    low = jnp.matmul(x, a.astype(x.dtype), precision=hi)
+    if config.scale != 1.0:
+        low = low * jnp.asarray(config.scale, x.dtype)
+    return jnp.matmul(low, b.astype(x.dtype), precision=hi)
 
 
 def num_parameters(B: Mapping[str, jax.Array]) -> int:

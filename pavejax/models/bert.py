@@ -21,6 +21,12 @@ the module one to one (``pavejax.models.loading.bert_torch_names`` builds the ta
 
 (T): torch ``Linear`` stores ``weight`` as (out, in); Flax kernels are (in, out), so these are
 transposed on load. LoRA selects e.g. ``layers/*/attention/query/kernel`` by these paths.
+
+LoRA, two ways. Merged: run the module with ``pavejax.lora.apply_lora`` params. Factored: pass
+``lora=pavejax.lora.LoraAdapters(B, A, config)`` to the call (paths relative to the encoder,
+any dense kernel inside ``layers``); each adapted projection then adds ``(x A) B`` to its
+output. Same function; the factored form makes per-example gradients of ``B`` rank-r products
+(see ``LoraAdapters``), which is what DP-SGD with LoRA wants.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from pavejax.lora import LoraAdapters
 from pavejax.models import _init
 
 __all__ = ["BertConfig", "BertEncoder", "gelu", "l2_normalize", "mean_pool", "sentence_embedding"]
@@ -135,6 +142,19 @@ def _dense(d_in: int, d_out: int, param_dtype: Any, rngs: nnx.Rngs) -> nnx.Linea
                       kernel_init=_init.normal(0.02), rngs=rngs)  # BERT's initializer_range
 
 
+def _project(layer: nnx.Linear, x: Array, lora: LoraAdapters | None, name: str) -> Array:
+    """``layer(x)``, plus the factored LoRA term when ``lora`` adapts ``name + "/kernel"``."""
+    y = layer(x)
+    path = f"{name}/kernel"
+    if lora is None or path not in lora:
+        return y
+    return y + lora.update(path, x.astype(y.dtype))
+
+
+_LAYER_DENSES = ("attention/query", "attention/key", "attention/value", "attention/output",
+                 "intermediate", "output")
+
+
 class BertEmbeddings(nnx.Module):
     """Word + position + token-type embeddings followed by LayerNorm."""
 
@@ -171,16 +191,18 @@ class BertSelfAttention(nnx.Module):
         b, t, d = x.shape
         return x.reshape(b, t, self.num_heads, d // self.num_heads)
 
-    def __call__(self, h: Array, key_mask: Array) -> Array:
-        """``h``: (B, T, H) float32; ``key_mask``: (B, T) bool, False on padded keys."""
-        q, k, v = self._heads(self.query(h)), self._heads(self.key(h)), self._heads(self.value(h))
+    def __call__(self, h: Array, key_mask: Array, lora: LoraAdapters | None = None) -> Array:
+        """``h``: (B, T, H) float32; ``key_mask``: (B, T) bool, False on padded keys; ``lora``:
+        factored adapters with paths relative to this module (e.g. ``"query/kernel"``)."""
+        q, k, v = (self._heads(_project(getattr(self, n), h, lora, n))
+                   for n in ("query", "key", "value"))
         scale = 1.0 / math.sqrt(q.shape[-1])
         scores = jnp.einsum("bqnd,bknd->bnqk", q, k).astype(jnp.float32) * scale
         # Finite fill (not -inf): a fully padded row stays a uniform softmax instead of NaN.
         scores = jnp.where(key_mask[:, None, None, :], scores, jnp.finfo(jnp.float32).min)
         probs = jax.nn.softmax(scores, axis=-1)
         context = jnp.einsum("bnqk,bknd->bqnd", probs, v).reshape(h.shape)
-        return self.norm(h + self.output(context))
+        return self.norm(h + _project(self.output, context, lora, "output"))
 
 
 class BertLayer(nnx.Module):
@@ -192,11 +214,12 @@ class BertLayer(nnx.Module):
         self.output = _dense(cfg.intermediate_size, cfg.hidden_size, param_dtype, rngs)
         self.norm = _layer_norm(cfg, param_dtype, rngs)
 
-    def __call__(self, h: Array, key_mask: Array) -> Array:
-        """(B, T, H) float32, (B, T) bool key mask -> (B, T, H) float32."""
-        h = self.attention(h, key_mask)
-        ff = gelu(self.intermediate(h))
-        return self.norm(h + self.output(ff))
+    def __call__(self, h: Array, key_mask: Array, lora: LoraAdapters | None = None) -> Array:
+        """(B, T, H) float32, (B, T) bool key mask -> (B, T, H) float32; ``lora``: factored
+        adapters with paths relative to this layer (e.g. ``"attention/query/kernel"``)."""
+        h = self.attention(h, key_mask, None if lora is None else lora.under("attention"))
+        ff = gelu(_project(self.intermediate, h, lora, "intermediate"))
+        return self.norm(h + _project(self.output, ff, lora, "output"))
 
 
 def _check_ids(name: str, ids: Any) -> None:
@@ -225,14 +248,32 @@ class BertEncoder(nnx.Module):
                                 for _ in range(config.num_layers)])
         self.pooler = _dense(config.hidden_size, config.hidden_size, param_dtype, rngs)
 
+    def lora_targets(self) -> dict[str, tuple[int, int]]:
+        """Paths (relative to the encoder) of the kernels that factored LoRA can adapt, each
+        with its ``(d_in, d_out)``: every dense kernel inside ``layers`` (not the embeddings,
+        not the pooler)."""
+        out = {}
+        for i, layer in enumerate(self.layers):
+            for name in _LAYER_DENSES:
+                module = layer
+                for part in name.split("/"):
+                    module = getattr(module, part)
+                d_in, d_out = module.kernel.shape
+                out[f"layers/{i}/{name}/kernel"] = (int(d_in), int(d_out))
+        return out
+
     def __call__(self, input_ids: Array, attention_mask: Array | None = None,
-                 token_type_ids: Array | None = None) -> Array:
+                 token_type_ids: Array | None = None, *,
+                 lora: LoraAdapters | None = None) -> Array:
         """Last hidden state.
 
         Args:
           input_ids: (B, T) or (T,) integer token ids, T <= ``config.max_position``.
           attention_mask: same shape; nonzero/True for real tokens, 0 for padding. Default: all 1.
           token_type_ids: same shape, integer segment ids. Default: all 0.
+          lora: optional :class:`pavejax.lora.LoraAdapters` applied factored at its paths
+            (relative to the encoder, e.g. ``"layers/0/attention/query/kernel"``; see
+            :meth:`lora_targets`). Equal to running the ``apply_lora``-merged params.
 
         Returns:
           (B, T, H) or (T, H) float32 hidden states. Padded positions hold finite values that
@@ -263,10 +304,12 @@ class BertEncoder(nnx.Module):
         if single:
             input_ids, attention_mask, token_type_ids = (
                 input_ids[None], attention_mask[None], token_type_ids[None])
+        if lora is not None:
+            lora.check_targets(self.lora_targets(), "BertEncoder")
         key_mask = jnp.asarray(attention_mask) != 0
         h = self.embeddings(input_ids, token_type_ids)
-        for layer in self.layers:
-            h = layer(h, key_mask)
+        for i, layer in enumerate(self.layers):
+            h = layer(h, key_mask, None if lora is None else lora.under(f"layers/{i}"))
         return h[0] if single else h
 
     def pooled_cls(self, hidden: Array) -> Array:

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from pavejax.lora import LoraAdapters
 from pavejax.models import _init
 from pavejax.models.bert import BertEncoder, mean_pool
 
@@ -41,6 +42,10 @@ class TextClassifier(nnx.Module):
     Pooling: ``"mean"`` (masked mean of the last hidden state; default, as sentence-transformers),
     ``"cls"`` (hidden state of the first token) or ``"pooler"`` (BERT's tanh pooler on it, as
     Hugging Face ``BertForSequenceClassification``).
+
+    LoRA: ``lora=LoraAdapters(B, A, config)`` with paths relative to the classifier
+    (``"encoder/layers/0/attention/query/kernel"``, i.e. factors made by ``init_lora`` on the
+    classifier's params) is applied factored inside the encoder; see ``BertEncoder``.
     """
 
     def __init__(self, encoder: BertEncoder, num_labels: int, *, rngs: nnx.Rngs,
@@ -51,10 +56,19 @@ class TextClassifier(nnx.Module):
         self.pooling = pooling
         self.head = ClassifierHead(encoder.config.hidden_size, num_labels, rngs=rngs)
 
+    def lora_targets(self) -> dict[str, tuple[int, int]]:
+        """Kernels that factored LoRA can adapt (paths relative to the classifier) -> shape."""
+        return {f"encoder/{p}": s for p, s in self.encoder.lora_targets().items()}
+
     def features(self, input_ids: jax.Array, attention_mask: jax.Array,
-                 token_type_ids: jax.Array | None = None) -> jax.Array:
-        """Pooled features: (B, T) -> (B, hidden), or (T,) -> (hidden,) for one example."""
-        hidden = self.encoder(input_ids, attention_mask, token_type_ids)
+                 token_type_ids: jax.Array | None = None, *,
+                 lora: LoraAdapters | None = None) -> jax.Array:
+        """Pooled features: (B, T) -> (B, hidden), or (T,) -> (hidden,) for one example.
+        ``lora``: optional factored adapters, paths relative to the classifier."""
+        if lora is not None:
+            lora.check_targets(self.lora_targets(), "TextClassifier")
+            lora = lora.under("encoder")
+        hidden = self.encoder(input_ids, attention_mask, token_type_ids, lora=lora)
         if self.pooling == "mean":
             return mean_pool(hidden, attention_mask)
         if self.pooling == "cls":
@@ -62,9 +76,11 @@ class TextClassifier(nnx.Module):
         return self.encoder.pooled_cls(hidden)
 
     def __call__(self, input_ids: jax.Array, attention_mask: jax.Array,
-                 token_type_ids: jax.Array | None = None) -> jax.Array:
-        """Logits: (B, T) -> (B, num_labels) float32, or (T,) -> (num_labels,)."""
-        return self.head(self.features(input_ids, attention_mask, token_type_ids))
+                 token_type_ids: jax.Array | None = None, *,
+                 lora: LoraAdapters | None = None) -> jax.Array:
+        """Logits: (B, T) -> (B, num_labels) float32, or (T,) -> (num_labels,). ``lora``:
+        optional factored adapters (paths relative to the classifier), as :meth:`features`."""
+        return self.head(self.features(input_ids, attention_mask, token_type_ids, lora=lora))
 
 
 def _uniform01(seed: int, n: int) -> np.ndarray:
