@@ -266,6 +266,38 @@ def test_calibrate_noise_pld_full_batch_exact_gaussian(relation, sensitivity):
     assert sigma < rdp_sigma  # PLD is tighter than RDP
 
 
+def _unbracketed_pld(target, delta, relation, **kw):
+    """dp-accounting's own search from (0, 1) at discretisation 1e-3, without pavejax's bracket."""
+    rel = Relation.parse(relation).neighboring_relation
+    return dpa.calibrate_dp_mechanism(
+        lambda: dpa.pld.PLDAccountant(rel, value_discretization_interval=1e-3),
+        lambda s: dp_sgd_event(s, **kw), target, delta)
+
+
+@pytest.mark.parametrize("relation,kw", [
+    ("replace_one", dict(q=1.0, steps=1)),
+    ("add_remove", dict(q=1.0, steps=7)),
+    ("add_remove", dict(q=0.05, steps=10)),
+])
+def test_pld_calibration_bracket_gives_the_unbracketed_answer(relation, kw):
+    # the bracket only speeds the search: the result is dp-accounting's own within its tolerance
+    sigma = calibrate_noise(4.0, DELTA, relation=relation, accountant="pld",
+                            pld_discretization=1e-3, **kw)
+    assert sigma == pytest.approx(_unbracketed_pld(4.0, DELTA, relation, **kw), abs=5e-6)
+
+
+def test_pld_calibration_survives_a_bad_bracket(monkeypatch):
+    from dp_accounting import mechanism_calibration as mc
+
+    from pavejax.accounting import ledger as ledger_mod
+
+    good = calibrate_noise(2.0, DELTA, q=1.0, steps=3, accountant="pld", pld_discretization=1e-3)
+    monkeypatch.setattr(ledger_mod, "_pld_bracket",
+                        lambda *a, **k: mc.ExplicitBracketInterval(50.0, 60.0))  # no root inside
+    assert calibrate_noise(2.0, DELTA, q=1.0, steps=3, accountant="pld",
+                           pld_discretization=1e-3) == pytest.approx(good, abs=5e-6)
+
+
 def test_calibrated_noise_passes_budget_check():
     sigma = calibrate_noise(1.0, DELTA, q=1.0, steps=20)
     ledger = Ledger("add_remove", "rdp")

@@ -545,9 +545,61 @@ def calibrate_noise(target_epsilon: float, delta: float, *, q: float | None = No
         return _for_accountant(ev, rel, accountant)
 
     _ensure_supported(fresh(), make_event(1.0))  # fail fast, with a clear message
+    bracket = None
+    if accountant == "pld":
+        bracket = _pld_bracket(target_epsilon, delta, q=q, steps=steps, sampling=sampling,
+                               relation=rel, dataset_size=dataset_size, batch_size=batch_size)
     with _quiet_rdp_warnings():
+        if bracket is not None:
+            try:
+                return float(dpa.calibrate_dp_mechanism(fresh, make_event, float(target_epsilon),
+                                                        float(delta), bracket_interval=bracket))
+            except ValueError:
+                pass  # the guess did not bracket the root: search from scratch
         return float(dpa.calibrate_dp_mechanism(fresh, make_event, float(target_epsilon),
                                                 float(delta)))
+
+
+def _gaussian_delta(epsilon: float, mu: float) -> float:
+    """Exact delta(epsilon) of a Gaussian mechanism with sensitivity / std = ``mu``."""
+    from scipy.stats import norm
+
+    return float(norm.cdf(mu / 2 - epsilon / mu)
+                 - math.exp(epsilon) * norm.cdf(-mu / 2 - epsilon / mu))
+
+
+def _pld_bracket(target_epsilon: float, delta: float, *, q, steps, sampling, relation: Relation,
+                 dataset_size, batch_size) -> Any:
+    """A narrow interval around the PLD-calibrated noise multiplier, so that Brent's method
+    needs a few PLD evaluations instead of a search from 0 (each evaluation at small noise is
+    the slow part). Upper end: the RDP calibration (cheap; RDP needs at least as much noise).
+    Lower end: for full batches (q = 1) the exact Gaussian mechanism, which the PLD accountant
+    upper-bounds (slightly below it, as PLD's pessimistic discretisation needs a little more
+    noise); with subsampling, half the RDP value. ``None`` when no guess can be made; a guess
+    that fails to bracket makes the caller search from scratch, so the result never depends on
+    it beyond Brent's tolerance."""
+    from dp_accounting import mechanism_calibration as mc
+    from scipy import optimize
+
+    try:
+        hi = calibrate_noise(target_epsilon, delta, q=q, steps=steps, sampling=sampling,
+                             relation=relation, accountant="rdp", dataset_size=dataset_size,
+                             batch_size=batch_size)
+    except (ValueError, ArithmeticError):
+        return None
+    full = _sampling_rate(q, sampling, dataset_size, batch_size) == 1.0
+    if full:  # T full-batch Gaussian steps = one Gaussian with mu = sensitivity sqrt(T) / sigma
+        sens = (2.0 if relation is Relation.REPLACE_ONE else 1.0) * math.sqrt(steps)
+        try:
+            exact = optimize.brentq(
+                lambda s: _gaussian_delta(target_epsilon, sens / s) - delta, 1e-3 * hi, hi,
+                xtol=1e-12, rtol=1e-12)
+        except ValueError:
+            return None
+        lo, hi = exact * (1.0 - 1e-7), min(hi, exact * (1.0 + 1e-3))
+    else:
+        lo = 0.5 * hi
+    return mc.ExplicitBracketInterval(lo, hi)
 
 
 def calibrate_steps(target_epsilon: float, delta: float, *, noise_multiplier: float,
