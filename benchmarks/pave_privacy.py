@@ -19,8 +19,9 @@ data with the same per-example gradient distribution would give; ``data_scale_fo
 the smallest such k that meets the target.
 
 Fast path (exact, checked): a one-step spec is a function of per-data-set sums that do not depend
-on epsilon or the seed. The benchmark computes, in fixed-size microbatches with the DP engine's
-own clipping (:func:`pavejax.privacy.clipped_sum`), the clipped gradient sum S of each data set
+on epsilon or the seed. The benchmark computes, in fixed-size microbatches and one pass (the
+per-example gradient of each adapted kernel gives both the rank-r gradient of B and the full-weight
+sum), with the DP engine's joint clipping coefficients, the clipped gradient sum S of each data set
 once and releases ``B = -(S + N(0, (sigma C)^2)) / n`` with :func:`pavejax.privacy.privatize_sum`
 and the noise key ``jax.random.key(seed)`` (``generate_spec(noise_key=...)`` replays it; a real
 release draws its key fresh from the OS, which is the same distribution); non-private specs of
@@ -34,8 +35,8 @@ and the white-box Dirac canary (tightness). Summary keys: ``top1_eps4`` (dev set
 ``top1_eps4_both``, ``top1_nonprivate``, ``audit_over_claimed_max`` (<= 1),
 ``whitebox_over_claimed`` (at eps = 4), ``target_met`` (top1_eps4 within 0.03 of non-private).
 
-``--quick``: the quick market, 3 noise draws, 10k audit runs, 200k white-box runs at eps 1 and 4
-(about 4.5 CPU-minutes; the MiniLM gradient sums dominate). Full: the full market, 10 draws,
+``--quick``: the quick market, 3 noise draws, 5k audit runs, 100k white-box runs at eps 1 and 4
+(under two minutes on 2 idle cores: market ~20 s, gradient sums ~40 s, audits ~15 s). Full: the full market, 10 draws,
 50k / 1M runs at every eps (sized for one GPU; about 16 CPU-minutes). What limits accuracy: the
 noise sigma C is compared with a clipped sum of per-example gradients that largely cancel, so
 the quick market's 64-96 spec examples per developer are too few at eps = 4, the full market's
@@ -66,7 +67,7 @@ from pavejax.data.market import build_market, evaluate_market
 from pavejax.data.market_metrics import ranking_metrics
 from pavejax.pave import spec as S
 from pavejax.pave.text import TextSpecBackbone
-from pavejax.privacy import ClipConfig, clipped_sum, privatize_sum
+from pavejax.privacy import clipping, per_example_norms, privatize_sum
 
 EPSILONS = (0.5, 1.0, 2.0, 4.0, 8.0)
 
@@ -96,7 +97,7 @@ class Config:
 def make_config(quick: bool) -> Config:
     ident = identification.make_config(quick)
     if quick:
-        return Config(ident, repeats=3, audit_runs=10_000, whitebox_runs=200_000,
+        return Config(ident, repeats=3, audit_runs=5_000, whitebox_runs=100_000,
                       whitebox_epsilons=(1.0, 4.0))
     return Config(ident)
 
@@ -106,39 +107,42 @@ def make_config(quick: bool) -> Config:
 
 class Sums:
     """Clipped per-example gradient sums (rank ``cfg.rank``) and full-weight gradient sums of
-    every spec data set, computed once in fixed-size microbatches."""
+    every spec data set, computed once in fixed-size microbatches.
+
+    One pass: the per-example gradient g_i of each adapted kernel W (at B = 0, the merged weights
+    are W) gives both sums, because the gradient of B there is ``scale * A^T g_i``. The clipped sum
+    uses the DP engine's joint clipping coefficients (:func:`pavejax.privacy.clipping._scale` on
+    :func:`per_example_norms`); ``parity_dp_eps4`` checks it against ``generate_spec``."""
 
     def __init__(self, tb: TextSpecBackbone, a_key: jax.Array, cfg: Config):
         self.tb, self.cfg = tb, cfg
         self.lcfg = lora.LoraConfig(cfg.rank)
         self.B0, self.A = lora.init_lora(a_key, tb.backbone.params, tb.predicate, self.lcfg)
         self.paths = sorted(self.B0)
-        params, logits_fn, lcfg, clip = tb.backbone.params, tb.logits_fn, self.lcfg, \
-            ClipConfig(cfg.l2_clip)
+        params, logits_fn, scale, l2_clip = (tb.backbone.params, tb.logits_fn, self.lcfg.scale,
+                                             cfg.l2_clip)
+        A = self.A
 
-        def example_loss(b, frozen, ex):  # the loss generate_spec's DP-S-PAVE clips
-            return S._example_losses(logits_fn, lcfg, b, frozen,
-                                     jax.tree.map(lambda v: v[None], ex))[0]
-
-        @jax.jit
-        def clip_sum(head, batch, mask):
-            r = clipped_sum(example_loss, self.B0, (self.A, params, head), batch, mask, clip)
-            return r.grad_sum, r.norms
+        def example_loss(w, head, ex):
+            merged = jax.tree_util.tree_map_with_path(
+                lambda kp, leaf: w.get(lora.path_string(kp), leaf), params)
+            x = {k: v[None] for k, v in ex.items() if k != "__target"}
+            return S._cross_entropy(logits_fn(merged, x, head), ex["__target"][None])[0]
 
         @jax.jit
-        def weight_grad(head, batch, mask):
-            sel = {p: w for p, w in lora.named_leaves(params).items() if p in self.B0}
+        def sums(head, batch, mask):
+            sel = {p: w for p, w in lora.named_leaves(params).items() if p in A}
+            g = jax.vmap(jax.grad(example_loss), in_axes=(None, None, 0))(sel, head, batch)
+            g = {p: v.reshape((v.shape[0],) + lora._as_matrix(v.shape[1:])) for p, v in g.items()}
+            gb = {p: scale * jnp.einsum("ir,bio->bro", A[p], g[p],
+                                        precision=jax.lax.Precision.HIGHEST) for p in g}
+            norms = per_example_norms(gb)
+            coef = jnp.where(mask & jnp.isfinite(norms), clipping._scale(norms, l2_clip), 0.0)
+            s_clip = {p: jnp.einsum("b,bro->ro", coef, v) for p, v in gb.items()}
+            g_w = {p: jnp.einsum("b,bio->io", mask.astype(v.dtype), v) for p, v in g.items()}
+            return s_clip, g_w, norms
 
-            def total(w):
-                merged = jax.tree_util.tree_map_with_path(
-                    lambda kp, leaf: w.get(lora.path_string(kp), leaf), params)
-                x = {k: v for k, v in batch.items() if k != "__target"}
-                return jnp.sum(jnp.where(mask, S._cross_entropy(logits_fn(merged, x, head),
-                                                                batch["__target"]), 0.0))
-
-            return jax.grad(total)(sel)
-
-        self._clip_sum, self._weight_grad = clip_sum, weight_grad
+        self._sums = sums
 
     def __call__(self, texts: Sequence[str], targets: np.ndarray, classes: Sequence[str]):
         """(clipped sum dict, full-weight gradient sum dict, n, per-example norms)."""
@@ -152,8 +156,7 @@ class Sums:
             real = len(part["__target"])
             part = {k: np.concatenate([v, np.repeat(v[:1], m - real, 0)]) for k, v in part.items()}
             mask = jnp.arange(m) < real
-            cs, nrm = self._clip_sum(head, part, mask)
-            gw = self._weight_grad(head, part, mask)
+            cs, gw, nrm = self._sums(head, part, mask)
             s_clip = cs if s_clip is None else jax.tree.map(jnp.add, s_clip, cs)
             g_w = gw if g_w is None else jax.tree.map(jnp.add, g_w, gw)
             norms.append(np.asarray(nrm)[:real])

@@ -291,11 +291,26 @@ def test_pld_calibration_survives_a_bad_bracket(monkeypatch):
 
     from pavejax.accounting import ledger as ledger_mod
 
-    good = calibrate_noise(2.0, DELTA, q=1.0, steps=3, accountant="pld", pld_discretization=1e-3)
+    kw = dict(q=0.05, steps=4, accountant="pld", pld_discretization=1e-3)
+    good = calibrate_noise(2.0, DELTA, **kw)
     monkeypatch.setattr(ledger_mod, "_pld_bracket",
                         lambda *a, **k: mc.ExplicitBracketInterval(50.0, 60.0))  # no root inside
-    assert calibrate_noise(2.0, DELTA, q=1.0, steps=3, accountant="pld",
-                           pld_discretization=1e-3) == pytest.approx(good, abs=5e-6)
+    assert calibrate_noise(2.0, DELTA, **kw) == pytest.approx(good, abs=5e-6)
+
+
+def test_pld_full_batch_shortcut_survives_a_wrong_closed_form(monkeypatch):
+    # if the exact-Gaussian guess were wrong (here: half the noise), the candidates fail the PLD
+    # check and the bracket does not bracket: the search from scratch still finds the answer
+    from pavejax.accounting import ledger as ledger_mod
+
+    kw = dict(q=1.0, steps=3, accountant="pld", pld_discretization=1e-3)
+    good = calibrate_noise(2.0, DELTA, **kw)
+    exact = ledger_mod._full_batch_gaussian_sigma
+    monkeypatch.setattr(ledger_mod, "_full_batch_gaussian_sigma",
+                        lambda *a, **k: 0.5 * exact(*a, **k))
+    assert calibrate_noise(2.0, DELTA, **kw) == pytest.approx(good, abs=5e-6)
+    mu = 1.0 * math.sqrt(3) / good
+    assert gaussian_exact_epsilon(mu, DELTA) <= 2.0 + 1e-12  # PLD never claims less than exact
 
 
 def test_calibrated_noise_passes_budget_check():

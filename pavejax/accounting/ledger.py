@@ -547,6 +547,17 @@ def calibrate_noise(target_epsilon: float, delta: float, *, q: float | None = No
     _ensure_supported(fresh(), make_event(1.0))  # fail fast, with a clear message
     bracket = None
     if accountant == "pld":
+        exact = _full_batch_gaussian_sigma(target_epsilon, delta, q=q, steps=steps,
+                                           sampling=sampling, relation=rel,
+                                           dataset_size=dataset_size, batch_size=batch_size)
+        if exact is not None:
+            # PLD (pessimistic) never reports less than the exact epsilon, so the PLD optimum
+            # is >= `exact`: the first of these that meets the target is within 5e-7 of it.
+            for step in (1e-9, 1e-7, 5e-7):
+                acc = fresh()
+                _compose(acc, make_event(exact + step), 1)
+                if acc.get_epsilon(delta) <= target_epsilon:
+                    return float(exact + step)
         bracket = _pld_bracket(target_epsilon, delta, q=q, steps=steps, sampling=sampling,
                                relation=rel, dataset_size=dataset_size, batch_size=batch_size)
     with _quiet_rdp_warnings():
@@ -568,18 +579,41 @@ def _gaussian_delta(epsilon: float, mu: float) -> float:
                  - math.exp(epsilon) * norm.cdf(-mu / 2 - epsilon / mu))
 
 
+def _full_batch_gaussian_sigma(target_epsilon: float, delta: float, *, q, steps, sampling,
+                               relation: Relation, dataset_size, batch_size) -> float | None:
+    """For full batches (q = 1): the noise multiplier at which T Gaussian steps (one Gaussian
+    with mu = sensitivity sqrt(T) / sigma) have exactly (target_epsilon, delta); else None."""
+    from scipy import optimize
+
+    if _sampling_rate(q, sampling, dataset_size, batch_size) != 1.0:
+        return None
+    sens = (2.0 if relation is Relation.REPLACE_ONE else 1.0) * math.sqrt(steps)
+
+    def gap(s: float) -> float:
+        return _gaussian_delta(target_epsilon, sens / s) - delta
+
+    hi = 1.0
+    while gap(hi) > 0:
+        hi *= 2.0
+        if hi > 1e12:
+            return None
+    lo = hi / 2.0
+    while gap(lo) <= 0:
+        lo /= 2.0
+        if lo < 1e-12:
+            return None
+    return float(optimize.brentq(gap, lo, hi, xtol=1e-13, rtol=1e-14))
+
+
 def _pld_bracket(target_epsilon: float, delta: float, *, q, steps, sampling, relation: Relation,
                  dataset_size, batch_size) -> Any:
     """A narrow interval around the PLD-calibrated noise multiplier, so that Brent's method
-    needs a few PLD evaluations instead of a search from 0 (each evaluation at small noise is
-    the slow part). Upper end: the RDP calibration (cheap; RDP needs at least as much noise).
-    Lower end: for full batches (q = 1) the exact Gaussian mechanism, which the PLD accountant
-    upper-bounds (slightly below it, as PLD's pessimistic discretisation needs a little more
-    noise); with subsampling, half the RDP value. ``None`` when no guess can be made; a guess
-    that fails to bracket makes the caller search from scratch, so the result never depends on
-    it beyond Brent's tolerance."""
+    needs fewer PLD evaluations than a search from 0 (each evaluation at small noise is the slow
+    part). Upper end: the RDP calibration (cheap; RDP needs at least as much noise). Lower end:
+    for full batches the exact Gaussian mechanism (PLD, pessimistic, needs a little more noise);
+    with subsampling, half the RDP value. ``None`` when no guess can be made; a guess that fails
+    to bracket makes the caller search from scratch."""
     from dp_accounting import mechanism_calibration as mc
-    from scipy import optimize
 
     try:
         hi = calibrate_noise(target_epsilon, delta, q=q, steps=steps, sampling=sampling,
@@ -587,19 +621,12 @@ def _pld_bracket(target_epsilon: float, delta: float, *, q, steps, sampling, rel
                              batch_size=batch_size)
     except (ValueError, ArithmeticError):
         return None
-    full = _sampling_rate(q, sampling, dataset_size, batch_size) == 1.0
-    if full:  # T full-batch Gaussian steps = one Gaussian with mu = sensitivity sqrt(T) / sigma
-        sens = (2.0 if relation is Relation.REPLACE_ONE else 1.0) * math.sqrt(steps)
-        try:
-            exact = optimize.brentq(
-                lambda s: _gaussian_delta(target_epsilon, sens / s) - delta, 1e-3 * hi, hi,
-                xtol=1e-12, rtol=1e-12)
-        except ValueError:
-            return None
-        lo, hi = exact * (1.0 - 1e-7), min(hi, exact * (1.0 + 1e-3))
-    else:
-        lo = 0.5 * hi
-    return mc.ExplicitBracketInterval(lo, hi)
+    exact = _full_batch_gaussian_sigma(target_epsilon, delta, q=q, steps=steps,
+                                       sampling=sampling, relation=relation,
+                                       dataset_size=dataset_size, batch_size=batch_size)
+    if exact is not None:
+        return mc.ExplicitBracketInterval(exact * (1.0 - 1e-7), min(hi, exact * (1.0 + 1e-3)))
+    return mc.ExplicitBracketInterval(0.5 * hi, hi)
 
 
 def calibrate_steps(target_epsilon: float, delta: float, *, noise_multiplier: float,
