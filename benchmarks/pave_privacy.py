@@ -36,12 +36,19 @@ and the white-box Dirac canary (tightness). Summary keys: ``top1_eps4`` (dev set
 ``whitebox_over_claimed`` (at eps = 4), ``target_met`` (top1_eps4 within 0.03 of non-private).
 
 ``--quick``: the quick market, 3 noise draws, 5k audit runs, 100k white-box runs at eps 1 and 4
-(under two minutes on 2 idle cores: market ~20 s, gradient sums ~40 s, audits ~15 s). Full: the full market, 10 draws,
-50k / 1M runs at every eps (sized for one GPU; about 16 CPU-minutes). What limits accuracy: the
-noise sigma C is compared with a clipped sum of per-example gradients that largely cancel, so
-the quick market's 64-96 spec examples per developer are too few at eps = 4, the full market's
-128-192 come within a few points, and few-shot user specs (20-50 examples, setting ``both``)
-are dominated by noise at every eps <= 8.
+(under two minutes on 2 idle cores: market ~20 s, gradient sums ~40 s, audits ~20 s). Full: the
+full market, 10 draws, 50k / 1M runs at every eps (sized for one GPU; about 12 CPU-minutes).
+
+``clip`` rows: the eps = 4 developer setting for each clip norm of ``clip_grid`` (same noise
+seeds; reading aid only, a release cannot tune C on its data).
+
+What limits accuracy: the noise. Clipping alone costs nothing (noise-free clipped specs rank as
+well as unclipped ones), and the rank matters little: a user ranks developers by the projection
+of each noisy spec on the user's own direction, whose noise has std sigma C in any dimension. The
+signal is the clipped sum of 64-192 per-example gradients that partly cancel, so the quick
+market's 64-96 spec examples per developer are too few at eps = 4, the full market's 128-192
+come within about 4-5 points, and few-shot user specs (20-50 examples, setting ``both``) are
+dominated by noise at every eps <= 8.
 """
 
 from __future__ import annotations
@@ -92,6 +99,7 @@ class Config:
     whitebox_steps: int = 4
     whitebox_epsilons: tuple[float, ...] = EPSILONS
     data_scales: tuple[float, ...] = (2.0, 4.0, 8.0, 16.0)
+    clip_grid: tuple[float, ...] = (0.5, 1.0, 2.0, 4.0)
 
 
 def make_config(quick: bool) -> Config:
@@ -119,8 +127,8 @@ class Sums:
         self.lcfg = lora.LoraConfig(cfg.rank)
         self.B0, self.A = lora.init_lora(a_key, tb.backbone.params, tb.predicate, self.lcfg)
         self.paths = sorted(self.B0)
-        params, logits_fn, scale, l2_clip = (tb.backbone.params, tb.logits_fn, self.lcfg.scale,
-                                             cfg.l2_clip)
+        params, logits_fn, scale = tb.backbone.params, tb.logits_fn, self.lcfg.scale
+        self.clips = clips = tuple(sorted({cfg.l2_clip, *cfg.clip_grid}))
         A = self.A
 
         def example_loss(w, head, ex):
@@ -137,19 +145,22 @@ class Sums:
             gb = {p: scale * jnp.einsum("ir,bio->bro", A[p], g[p],
                                         precision=jax.lax.Precision.HIGHEST) for p in g}
             norms = per_example_norms(gb)
-            coef = jnp.where(mask & jnp.isfinite(norms), clipping._scale(norms, l2_clip), 0.0)
-            s_clip = {p: jnp.einsum("b,bro->ro", coef, v) for p, v in gb.items()}
+            by_clip = {}
+            for c in clips:
+                coef = jnp.where(mask & jnp.isfinite(norms), clipping._scale(norms, c), 0.0)
+                by_clip[str(c)] = {p: jnp.einsum("b,bro->ro", coef, v) for p, v in gb.items()}
             g_w = {p: jnp.einsum("b,bio->io", mask.astype(v.dtype), v) for p, v in g.items()}
-            return s_clip, g_w, norms
+            return by_clip, g_w, norms
 
         self._sums = sums
 
     def __call__(self, texts: Sequence[str], targets: np.ndarray, classes: Sequence[str]):
-        """(clipped sum dict, full-weight gradient sum dict, n, per-example norms)."""
+        """(clipped sum dict at ``cfg.l2_clip``, full-weight gradient sum dict, n, per-example
+        norms, {clip norm: clipped sum dict} for every norm of ``cfg.clip_grid``)."""
         enc = self.tb.encode(list(texts))
         enc["__target"] = np.asarray(targets, np.float32)
         head, n, m = self.tb.head(classes), len(texts), self.cfg.microbatch
-        s_clip = g_w = None
+        by_clip = g_w = None
         norms = []
         for i in range(0, n, m):
             part = {k: v[i:i + m] for k, v in enc.items()}
@@ -157,10 +168,11 @@ class Sums:
             part = {k: np.concatenate([v, np.repeat(v[:1], m - real, 0)]) for k, v in part.items()}
             mask = jnp.arange(m) < real
             cs, gw, nrm = self._sums(head, part, mask)
-            s_clip = cs if s_clip is None else jax.tree.map(jnp.add, s_clip, cs)
+            by_clip = cs if by_clip is None else jax.tree.map(jnp.add, by_clip, cs)
             g_w = gw if g_w is None else jax.tree.map(jnp.add, g_w, gw)
             norms.append(np.asarray(nrm)[:real])
-        return s_clip, g_w, n, np.concatenate(norms)
+        by_clip = {float(c): v for c, v in by_clip.items()}
+        return by_clip[self.cfg.l2_clip], g_w, n, np.concatenate(norms), by_clip
 
 
 def nonprivate_vector(g_w: dict, n: int, A: dict) -> np.ndarray:
@@ -220,11 +232,32 @@ def data_scale_rows(cfg: Config, devs, base_users, acc, calibrated) -> list[dict
     for k in cfg.data_scales:
         vals = [_top1(cosine_scores(base_users, np.stack([
             dp_vector(s_clip, n, sigma / k, cfg.l2_clip, _seed(rep, "dev", j))
-            for j, (s_clip, _, n, _) in enumerate(devs)])), acc)[0] for rep in range(cfg.repeats)]
+            for j, (s_clip, _, n, _, _) in enumerate(devs)])), acc)[0]
+            for rep in range(cfg.repeats)]
         rows.append({"part": "data_scale", "setting": f"dev, data x{k:g} (projection)",
                      "data_scale": k, "epsilon": 4.0, "claimed_epsilon": claimed, "rank": cfg.rank,
                      "noise_multiplier": sigma / k, "top1_acc": float(np.mean(vals)),
                      "top1_acc_std": float(np.std(vals)), "repeats": cfg.repeats})
+    return rows
+
+
+def clip_rows(cfg: Config, devs, base_users, acc, calibrated) -> list[dict[str, Any]]:
+    """Developer specs at eps = 4 for each clip norm C of ``cfg.clip_grid`` (noise sigma C, the
+    same sigma and noise seeds as the main rows, so the row at ``cfg.l2_clip`` repeats the main
+    eps = 4 row). Only for reading the benchmark: a real release cannot tune C on its data."""
+    _, sigma, claimed = calibrated
+    norms = np.concatenate([d[3] for d in devs])
+    rows = []
+    for c in cfg.clip_grid:
+        vals = [_top1(cosine_scores(base_users, np.stack([
+            dp_vector(by_clip[c], n, sigma, c, _seed(rep, "dev", j))
+            for j, (_, _, n, _, by_clip) in enumerate(devs)])), acc)[0]
+            for rep in range(cfg.repeats)]
+        rows.append({"part": "clip", "setting": f"dev, C={c:g}", "l2_clip": c, "epsilon": 4.0,
+                     "claimed_epsilon": claimed, "rank": cfg.rank, "noise_multiplier": sigma,
+                     "fraction_clipped": float(np.mean(norms > c)),
+                     "top1_acc": float(np.mean(vals)), "top1_acc_std": float(np.std(vals)),
+                     "repeats": cfg.repeats})
     return rows
 
 
@@ -238,8 +271,8 @@ def identification_rows(cfg: Config, market, acc, tb, a_key):
     t_sums = time.perf_counter() - t0
     _log(f"gradient sums of {len(devs)} developers and {len(users)} users ({t_sums:.0f} s)")
     rows, curves = [], {"dev": {}, "both": {}}
-    base_users = np.stack([nonprivate_vector(g, n, sums.A) for _, g, n, _ in users])
-    base_devs = np.stack([nonprivate_vector(g, n, sums.A) for _, g, n, _ in devs])
+    base_users = np.stack([nonprivate_vector(g, n, sums.A) for _, g, n, _, _ in users])
+    base_devs = np.stack([nonprivate_vector(g, n, sums.A) for _, g, n, _, _ in devs])
     top1_np, hit_np = _top1(cosine_scores(base_users, base_devs), acc)
     calibrated = {}
     for eps in cfg.epsilons:
@@ -247,7 +280,7 @@ def identification_rows(cfg: Config, market, acc, tb, a_key):
         res = {"dev": [], "both": []}
         for rep in range(cfg.repeats):
             priv = {name: np.stack([dp_vector(s_clip, n, sigma, cfg.l2_clip, _seed(rep, name, j))
-                                    for j, (s_clip, _, n, _) in enumerate(group)])
+                                    for j, (s_clip, _, n, _, _) in enumerate(group)])
                     for name, group in (("dev", devs), ("user", users))}
             res["dev"].append(_top1(cosine_scores(base_users, priv["dev"]), acc))
             res["both"].append(_top1(cosine_scores(priv["user"], priv["dev"]), acc))
@@ -262,13 +295,14 @@ def identification_rows(cfg: Config, market, acc, tb, a_key):
              f"both {curves['both'][eps]:.3f}")
     if 4.0 in calibrated:
         rows += data_scale_rows(cfg, devs, base_users, acc, calibrated[4.0])
+        rows += clip_rows(cfg, devs, base_users, acc, calibrated[4.0])
     rows.append({"part": "identification", "setting": "nonprivate", "epsilon": math.inf,
                  "rank": cfg.rank, "top1_acc": top1_np, "top1_hit": hit_np})
     rank_curve = {}
     for r in cfg.ranks:
         _, A_r = lora.init_lora(a_key, tb.backbone.params, tb.predicate, lora.LoraConfig(r))
-        scores = cosine_scores(np.stack([nonprivate_vector(g, n, A_r) for _, g, n, _ in users]),
-                               np.stack([nonprivate_vector(g, n, A_r) for _, g, n, _ in devs]))
+        scores = cosine_scores(np.stack([nonprivate_vector(g, n, A_r) for _, g, n, _, _ in users]),
+                               np.stack([nonprivate_vector(g, n, A_r) for _, g, n, _, _ in devs]))
         rank_curve[r], hit = _top1(scores, acc)
         rows.append({"part": "rank", "setting": "nonprivate", "epsilon": math.inf, "rank": r,
                      "top1_acc": rank_curve[r], "top1_hit": hit})
@@ -286,7 +320,7 @@ def parity(cfg: Config, market, tb, a_key, sums, devs, calibrated) -> dict[str, 
     d = market.developers[0]
     texts = list(d.train.inputs)
     logits = d.logits(texts)
-    s_clip, g_w, n, _ = devs[0]
+    s_clip, g_w, n, _, _ = devs[0]
     out = {}
     plain = S.SpecConfig.preset("one_step", rank=cfg.rank, progress=False)
     res = tb.model_spec(texts, logits, d.classes, a_key, plain)
