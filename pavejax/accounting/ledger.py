@@ -534,7 +534,9 @@ def calibrate_noise(target_epsilon: float, delta: float, *, q: float | None = No
     """Smallest noise multiplier (std / C) whose `dp_sgd_event` meets (target_epsilon, delta).
 
     The result is within 1e-6 of the optimum and never exceeds the target under the chosen
-    accountant (same translation rules as `Ledger`). PLD is tighter but slower than RDP.
+    accountant (same translation rules as `Ledger`). PLD is tighter but slower than RDP; under
+    PLD, full batches (q = 1) start from the exact Gaussian mechanism and need one to three PLD
+    evaluations, and subsampled steps search a bracket seeded by the RDP calibration.
     """
     rel, fresh = _calibration_setup(target_epsilon, delta, relation, accountant,
                                     pld_discretization)
