@@ -560,7 +560,7 @@ def calibrate_noise(target_epsilon: float, delta: float, *, q: float | None = No
                 _compose(acc, make_event(exact + step), 1)
                 if acc.get_epsilon(delta) <= target_epsilon:
                     return float(exact + step)
-        bracket = _pld_bracket(target_epsilon, delta, q=q, steps=steps, sampling=sampling,
+        bracket = _pld_bracket(target_epsilon, delta, exact, q=q, steps=steps, sampling=sampling,
                                relation=rel, dataset_size=dataset_size, batch_size=batch_size)
     with _quiet_rdp_warnings():
         if bracket is not None:
@@ -607,14 +607,14 @@ def _full_batch_gaussian_sigma(target_epsilon: float, delta: float, *, q, steps,
     return float(optimize.brentq(gap, lo, hi, xtol=1e-13, rtol=1e-14))
 
 
-def _pld_bracket(target_epsilon: float, delta: float, *, q, steps, sampling, relation: Relation,
-                 dataset_size, batch_size) -> Any:
+def _pld_bracket(target_epsilon: float, delta: float, exact: float | None, *, q, steps, sampling,
+                 relation: Relation, dataset_size, batch_size) -> Any:
     """A narrow interval around the PLD-calibrated noise multiplier, so that Brent's method
     needs fewer PLD evaluations than a search from 0 (each evaluation at small noise is the slow
     part). Upper end: the RDP calibration (cheap; RDP needs at least as much noise). Lower end:
-    for full batches the exact Gaussian mechanism (PLD, pessimistic, needs a little more noise);
-    with subsampling, half the RDP value. ``None`` when no guess can be made; a guess that fails
-    to bracket makes the caller search from scratch."""
+    for full batches ``exact``, the exact Gaussian mechanism's sigma (PLD, pessimistic, needs a
+    little more noise); with subsampling (``exact`` None), half the RDP value. ``None`` when no
+    guess can be made; a guess that fails to bracket makes the caller search from scratch."""
     from dp_accounting import mechanism_calibration as mc
 
     try:
@@ -623,9 +623,6 @@ def _pld_bracket(target_epsilon: float, delta: float, *, q, steps, sampling, rel
                              batch_size=batch_size)
     except (ValueError, ArithmeticError):
         return None
-    exact = _full_batch_gaussian_sigma(target_epsilon, delta, q=q, steps=steps,
-                                       sampling=sampling, relation=relation,
-                                       dataset_size=dataset_size, batch_size=batch_size)
     if exact is not None:
         return mc.ExplicitBracketInterval(exact * (1.0 - 1e-7), min(hi, exact * (1.0 + 1e-3)))
     return mc.ExplicitBracketInterval(0.5 * hi, hi)
