@@ -37,8 +37,8 @@ and the white-box Dirac canary (tightness). Summary keys: ``top1_eps4`` (dev set
 
 ``--quick``: the quick market, 3 noise draws, 5k black-box audit runs and 100k white-box runs,
 audits at eps 1 and 4 only (under two minutes on 2 idle cores: market ~20 s, gradient sums ~40 s,
-audits ~15 s). Full: the
-full market, 10 draws, 50k / 1M runs at every eps (sized for one GPU; 7.3 minutes on 2 idle cores).
+audits ~15 s). Full: the full market, 10 draws, 50k / 1M runs at every eps (sized for one GPU;
+7.3 minutes on 2 idle cores).
 
 ``clip`` rows: the eps = 4 developer setting for each clip norm of ``clip_grid`` (same noise
 seeds; reading aid only, a release cannot tune C on its data), and ``top1_clipped_noise_free``,
