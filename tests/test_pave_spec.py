@@ -364,3 +364,80 @@ def test_fixed_size_sampling_claims_replace_one_only(key):
     assert res.ledger_add_remove is None
     g = res.spec.info["guarantee"]
     assert g["epsilon_add_remove"] is None and 0 < g["epsilon"] < math.inf
+
+
+# --- per-example clipped (non-private) specs ------------------------------------------------
+
+
+def _hand_clipped_step(bb, inputs, labels, key, rank, clip):
+    """-(1/n) sum_i clip_C(grad_B loss_i) at B = 0, one example at a time (no vmap, no padding)."""
+    from pavejax import lora
+
+    lcfg = lora.LoraConfig(rank)
+    b0, a = lora.init_lora(key, bb.params, _kernels, lcfg)
+    targets = hard_targets(labels, len(CLASSES))
+
+    def loss(b, x, t):
+        merged = lora.apply_lora(bb.params, b, a, lcfg)
+        return -jnp.sum(t * jax.nn.log_softmax(_toy_logits(merged, {"x": x[None]}, HEAD)[0]))
+
+    total, norms = None, []
+    for x, t in zip(inputs["x"], targets, strict=True):
+        g = jax.grad(loss)(b0, jnp.asarray(x), jnp.asarray(t))
+        norm = math.sqrt(sum(float(np.sum(np.asarray(v, np.float64) ** 2)) for v in g.values()))
+        norms.append(norm)
+        g = {p: np.asarray(v, np.float64) * min(1.0, clip / norm) for p, v in g.items()}
+        total = g if total is None else {p: total[p] + g[p] for p in g}
+    n = len(labels)
+    return np.concatenate([-(total[p] / n).ravel() for p in sorted(total)]), np.asarray(norms)
+
+
+def test_example_clip_spec_is_the_mean_of_clipped_gradients(key):
+    """The one_step_clipped recipe equals a hand computation of the clipped mean gradient, with
+    a clip norm that clips some examples and not others and n not a multiple of the microbatch
+    (padding); an unreachable clip norm gives the plain one-step spec back."""
+    bb = _backbone()
+    inputs, labels = _task(3, 21, 0)
+    _, norms = _hand_clipped_step(bb, inputs, labels, key, 4, 1e9)
+    clip = float(np.median(norms))
+    want, _ = _hand_clipped_step(bb, inputs, labels, key, 4, clip)
+    assert 0 < np.sum(norms > clip) < len(norms)
+    cfg = SpecConfig.preset("one_step_clipped", rank=4, example_clip=clip, progress=False)
+    got = user_spec(_toy_logits, bb, _kernels, inputs, labels, 2, key, cfg, aux=HEAD)
+    np.testing.assert_allclose(got.spec.vector, want, rtol=2e-5, atol=1e-7)
+    assert got.spec.info["config"]["example_clip"] == clip
+    # the clip coefficients depend on A^T g: no A-independent trajectory is claimed
+    assert not got.trajectory_independent_of_A
+    plain = user_spec(_toy_logits, bb, _kernels, inputs, labels, 2, key,
+                      SpecConfig.preset("one_step", rank=4, progress=False), aux=HEAD)
+    loose = user_spec(_toy_logits, bb, _kernels, inputs, labels, 2, key,
+                      SpecConfig.preset("one_step", rank=4, example_clip=1e9, progress=False),
+                      aux=HEAD)
+    np.testing.assert_allclose(loose.spec.vector, plain.spec.vector, rtol=1e-5, atol=1e-7)
+    # clipping changed the spec: the largest-gradient examples weigh less
+    assert not np.allclose(got.spec.vector, plain.spec.vector, rtol=1e-2)
+
+
+def test_example_clip_minibatch_steps_run_and_repeat(key):
+    bb = _backbone()
+    inputs, labels = _task(4, 40, 1)
+    cfg = SpecConfig.preset("quick", rank=4, steps=5, batch_size=24, example_clip=0.5,
+                            progress=False)
+    a = user_spec(_toy_logits, bb, _kernels, inputs, labels, 2, key, cfg, aux=HEAD)
+    b = user_spec(_toy_logits, bb, _kernels, inputs, labels, 2, key, cfg, aux=HEAD)
+    assert np.isfinite(a.spec.vector).all() and np.abs(a.spec.vector).max() > 0
+    np.testing.assert_array_equal(a.spec.vector, b.spec.vector)
+    assert len(a.losses) == 5
+
+
+@pytest.mark.parametrize("bad", [0.0, -1.0, math.nan, math.inf])
+def test_example_clip_validation(bad):
+    with pytest.raises(ValueError, match="example_clip"):
+        SpecConfig(example_clip=bad)
+
+
+def test_example_clip_with_privacy_must_match_the_dp_clip():
+    priv = PrivacyConfig(l2_clip=1.0, target_epsilon=4.0, sampling="full")
+    with pytest.raises(ValueError, match="differs from privacy.l2_clip"):
+        SpecConfig.preset("one_step_clipped", example_clip=2.0, privacy=priv)
+    assert SpecConfig.preset("one_step_clipped", privacy=priv).example_clip == 1.0

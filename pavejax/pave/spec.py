@@ -10,10 +10,13 @@ models by ``cos(B_model, B_user)``.
 
 Two mechanisms share one code path (:func:`generate_spec`):
 
-* non-private (``config.privacy is None``): minibatch Adam (or SGD) on the mean loss. No
-  formal guarantee; with a secret ``A`` and a trajectory that does not depend on ``A`` (one
-  full-batch SGD step) the intrinsic sketch analysis of :mod:`pavejax.accounting.sketch` may
-  apply, which :attr:`SpecResult.trajectory_independent_of_A` reports.
+* non-private (``config.privacy is None``): minibatch Adam (or SGD) on the mean loss, or, with
+  ``config.example_clip``, on the mean of per-example gradients clipped jointly to that norm
+  (the ``"one_step_clipped"`` preset: DP-S-PAVE's full-batch step without noise, so that a few
+  large-gradient examples cannot dominate). No formal guarantee; with a secret ``A`` and a
+  trajectory that does not depend on ``A`` (one full-batch, unclipped SGD step) the intrinsic
+  sketch analysis of :mod:`pavejax.accounting.sketch` may apply, which
+  :attr:`SpecResult.trajectory_independent_of_A` reports.
 * **DP-S-PAVE** (``config.privacy`` set; Algorithm 1 of the PAVE privacy paper): per-example
   gradients with respect to ``B`` only, **joint** L2 clipping over all layers to ``C``, Gaussian
   noise ``sigma C`` added once to the clipped sum, Poisson (or fixed-size, or full-batch)
@@ -50,7 +53,7 @@ from pavejax.checkpointing import TrainCheckpointer, run_record
 from pavejax.optim import promotion_safe
 from pavejax.pave._dp_loop import run_dp_steps
 from pavejax.pave.types import PaveSpec, SpecSignature
-from pavejax.privacy import DPConfig, DPGradient, SamplingConfig
+from pavejax.privacy import ClipConfig, DPConfig, DPGradient, SamplingConfig, clipped_sum
 
 __all__ = [
     "PRESETS",
@@ -171,6 +174,13 @@ class SpecConfig:
       temperature: T of the soft targets.
       layer_scaling: ``"none"`` or ``"fan_in"`` (multiply layer l's block by sqrt(d_in/r), so
         that with Gaussian A the cosine weighs layers as cos(BA, B'A) does; post-processing).
+      example_clip: non-private specs: clip each example's gradient with respect to all ``B``
+        blocks (jointly) to this L2 norm before averaging, as DP-S-PAVE does but without noise
+        (None: plain mean gradient). Every example whose gradient norm exceeds it then counts
+        as a unit direction, so a few large-gradient examples (common in a handful of user
+        shots) cannot dominate the spec. The clip coefficients depend on ``A``, so such a spec
+        does not have an ``A``-independent trajectory. With ``privacy`` set it must be None or
+        equal ``privacy.l2_clip``.
       seed: batch order of the non-private spec. Public and recorded in the spec. DP-S-PAVE
         never uses it: its sampling and noise come from a fresh OS-random key
         (``generate_spec(noise_key=...)``).
@@ -190,6 +200,7 @@ class SpecConfig:
     fit_target: str = "soft"
     temperature: float = 1.0
     layer_scaling: str = "none"
+    example_clip: float | None = None
     seed: int = 0
     privacy: PrivacyConfig | None = None
     progress: bool = True
@@ -212,6 +223,12 @@ class SpecConfig:
                              f"{self.layer_scaling!r}")
         if self.privacy is not None and not isinstance(self.privacy, PrivacyConfig):
             raise TypeError("privacy must be a PrivacyConfig or None")
+        if self.example_clip is not None:
+            _positive("example_clip", self.example_clip)
+            if self.privacy is not None and self.example_clip != self.privacy.l2_clip:
+                raise ValueError(f"example_clip ({self.example_clip}) differs from privacy.l2_clip "
+                                 f"({self.privacy.l2_clip}); DP-S-PAVE clips at privacy.l2_clip: "
+                                 f"set example_clip=None")
 
     @classmethod
     def preset(cls, name: str, **overrides: Any) -> SpecConfig:
@@ -237,6 +254,11 @@ PRESETS: dict[str, SpecConfig] = {
     # one full-batch gradient step: B is a Gaussian sketch of the full fine-tuning gradient
     # (the NTK view), and the trajectory does not depend on A.
     "one_step": SpecConfig(steps=1, batch_size=2**31 - 1, optimizer="sgd", learning_rate=1.0),
+    # the same step on per-example gradients clipped to norm 1 (DP-S-PAVE's full-batch release
+    # without the noise): every example counts as one direction. The identification benchmark's
+    # recipe, for developers and users alike.
+    "one_step_clipped": SpecConfig(steps=1, batch_size=2**31 - 1, optimizer="sgd",
+                                   learning_rate=1.0, example_clip=1.0),
     # a cheap setting for CPUs and tests.
     "quick": SpecConfig(steps=30, batch_size=16, learning_rate=3e-3),
 }
@@ -425,7 +447,11 @@ def generate_spec(logits_fn: LogitsFn, backbone: Backbone, predicate: lora.Predi
                    leave=False)
         batch_size = min(config.batch_size, n)
         full = batch_size == n
-        grad_fn = _mean_grad(logits_fn, lcfg)
+        if config.example_clip is None:
+            grad_fn = _mean_grad(logits_fn, lcfg)
+        else:
+            grad_fn = _clipped_mean_grad(logits_fn, lcfg, float(config.example_clip),
+                                         min(_CLIP_MICROBATCH, batch_size))
         rng = np.random.default_rng(config.seed)
         for _ in bar:
             batch = data if full else jax.tree.map(
@@ -434,7 +460,9 @@ def generate_spec(logits_fn: LogitsFn, backbone: Backbone, predicate: lora.Predi
             B, opt_state = _apply(B, grad, opt_state, opt, config)
             losses.append(float(loss))
             bar.set_postfix(loss=f"{losses[-1]:.4f}", refresh=False)
-        independent = config.optimizer == "sgd" and config.steps == 1 and full and config.l1 == 0
+        # clip coefficients are functions of A^T g: a clipped spec depends on A non-linearly
+        independent = (config.optimizer == "sgd" and config.steps == 1 and full
+                       and config.l1 == 0 and config.example_clip is None)
     else:
         priv = config.privacy
         sampling, sigma, dp_grad = _dp_setup(logits_fn, lcfg, n, config, mesh)
@@ -484,6 +512,48 @@ def _mean_grad(logits_fn: LogitsFn, lcfg: lora.LoraConfig) -> Callable:
         return jnp.mean(_example_losses(logits_fn, lcfg, b, frozen, batch))
 
     return jax.jit(jax.value_and_grad(mean_loss))
+
+
+_CLIP_MICROBATCH = 16  # per-example gradients held at once by an example_clip spec
+
+
+def _clipped_mean_grad(logits_fn: LogitsFn, lcfg: lora.LoraConfig, l2_clip: float,
+                       microbatch: int) -> Callable:
+    """``(B, frozen, batch) -> (mean loss, mean of per-example gradients clipped jointly to
+    l2_clip)``; the batch is padded to a multiple of ``microbatch`` and the padding masked."""
+    inner = _clipped_mean_grad_jit(logits_fn, lcfg, l2_clip, microbatch)
+
+    def fn(b, frozen, batch):
+        n = int(jax.tree.leaves(batch)[0].shape[0])
+        pad = -n % microbatch
+        if pad:
+            batch = jax.tree.map(lambda v: jnp.concatenate([v, jnp.repeat(v[:1], pad, 0)]),
+                                 batch)
+        loss, grad, bad = inner(b, frozen, batch, jnp.arange(n + pad) < n)
+        if int(bad):
+            raise ValueError(f"{int(bad)} examples gave a non-finite loss or gradient; clean "
+                             f"the data or the targets")
+        return loss, grad
+
+    return fn
+
+
+@functools.cache
+def _clipped_mean_grad_jit(logits_fn: LogitsFn, lcfg: lora.LoraConfig, l2_clip: float,
+                           microbatch: int) -> Callable:
+    clip_cfg = ClipConfig(l2_clip, microbatch_size=microbatch)
+
+    def example_loss(b, frozen, ex):
+        return _example_losses(logits_fn, lcfg, b, frozen, jax.tree.map(lambda v: v[None], ex))[0]
+
+    @jax.jit
+    def fn(b, frozen, batch, mask):
+        res = clipped_sum(example_loss, b, frozen, batch, mask, clip_cfg)
+        count = jnp.sum(mask).astype(jnp.float32)
+        loss = jnp.sum(jnp.where(mask, res.losses, 0.0)) / count
+        return loss, jax.tree.map(lambda g: g / count, res.grad_sum), res.num_nonfinite
+
+    return fn
 
 
 def _apply(B, grad, opt_state, opt, config):
