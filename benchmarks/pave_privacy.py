@@ -1,14 +1,19 @@
 """Private PAVE: identification accuracy of DP-S-PAVE specs vs epsilon and rank, and audits.
 
 Identification rows (the market of ``identification.py``: real all-MiniLM-L6-v2, real text;
-quick: its quick market). Spec recipe: the ``"one_step"`` preset (one full-batch SGD step from
-B = 0, rank 8 on every query/value kernel, A secret from one key). Its private version is
-``PrivacyConfig(target_epsilon=eps, sampling="full", l2_clip=C)``: a single Gaussian release of
-the clipped per-example gradient sum (sensitivity 2C under replace-one, noise sigma C, sigma
-calibrated by the PLD accountant at delta = 1e-5). ``C = 1`` is fixed, not measured on private
-data: per-example gradient norms of this recipe are ~3-6 for confident targets and tiny for
-undertrained developers (``median_grad_norm`` and ``fraction_clipped`` report them), so almost
-every informative example is clipped to C and contributes a unit-norm direction.
+quick: its quick market). Spec recipe: identification's ``"one_step_clipped"`` preset (one
+full-batch SGD step from B = 0 on per-example gradients clipped jointly to C = 1, rank 8 on
+every query/value kernel, A secret from one key); it is the non-private baseline
+(``top1_nonprivate``, both sides) and the users' query in the ``dev`` setting. Its private
+version is ``"one_step"`` with ``PrivacyConfig(target_epsilon=eps, sampling="full",
+l2_clip=C)``: the same clipped sum plus one Gaussian draw (sensitivity 2C under replace-one,
+noise sigma C, sigma calibrated by the PLD accountant at delta = 1e-5), so the gap to the
+baseline is the noise alone. ``top1_nonprivate_unclipped`` is the plain ``"one_step"``
+recipe (no clip), and the ``rank`` rows use it too (clip coefficients depend on the rank).
+``C = 1`` is fixed, not measured on private data: per-example gradient norms of this recipe are
+~3-6 for confident targets and tiny for undertrained developers (``median_grad_norm`` and
+``fraction_clipped`` report them), so almost every informative example is clipped to C and
+contributes a unit-norm direction.
 
 Two private settings, both reported: ``dev`` (developer specs are DP-S-PAVE, the released market
 specs; users keep their non-private query) and ``both`` (user specs are DP-S-PAVE too). Every
@@ -185,6 +190,11 @@ def nonprivate_vector(g_w: dict, n: int, A: dict) -> np.ndarray:
                            for p in sorted(A)]).astype(np.float32)
 
 
+def clipped_vector(s_clip: dict, n: int) -> np.ndarray:
+    """The non-private ``"one_step_clipped"`` spec: -(clipped gradient sum) / n, concatenated."""
+    return np.concatenate([-np.asarray(s_clip[p]).ravel() / n for p in sorted(s_clip)])
+
+
 def dp_vector(s_clip: dict, n: int, sigma: float, l2_clip: float, seed: int) -> np.ndarray:
     """The DP-S-PAVE one-step release with noise key ``jax.random.key(seed)``."""
     k_noise = jax.random.split(jax.random.fold_in(jax.random.key(seed), 0))[1]
@@ -257,9 +267,8 @@ def clip_rows(cfg: Config, devs, base_users, acc, calibrated) -> list[dict[str, 
             dp_vector(by_clip[c], n, sigma, c, _seed(rep, "dev", j))
             for j, (_, _, n, _, by_clip) in enumerate(devs)])), acc)[0]
             for rep in range(cfg.repeats)]
-        clipped_only = np.stack([  # the same clipped sums without noise
-            np.concatenate([-np.asarray(by_clip[c][p]).ravel() / n for p in sorted(by_clip[c])])
-            for (_, _, n, _, by_clip) in devs])
+        clipped_only = np.stack([clipped_vector(by_clip[c], n)  # the same sums without noise
+                                 for (_, _, n, _, by_clip) in devs])
         rows.append({"part": "clip", "setting": f"dev, C={c:g}", "l2_clip": c, "epsilon": 4.0,
                      "claimed_epsilon": claimed, "rank": cfg.rank, "noise_multiplier": sigma,
                      "fraction_clipped": float(np.mean(norms > c)),
@@ -280,9 +289,14 @@ def identification_rows(cfg: Config, market, acc, tb, a_key):
     t_sums = time.perf_counter() - t0
     _log(f"gradient sums of {len(devs)} developers and {len(users)} users ({t_sums:.0f} s)")
     rows, curves = [], {"dev": {}, "both": {}}
-    base_users = np.stack([nonprivate_vector(g, n, sums.A) for _, g, n, _, _ in users])
-    base_devs = np.stack([nonprivate_vector(g, n, sums.A) for _, g, n, _, _ in devs])
+    # the identification recipe ("one_step_clipped", clip norm cfg.l2_clip): users' queries in
+    # the dev setting, and both sides of the non-private baseline
+    base_users = np.stack([clipped_vector(s, n) for s, _, n, _, _ in users])
+    base_devs = np.stack([clipped_vector(s, n) for s, _, n, _, _ in devs])
     top1_np, hit_np = _top1(cosine_scores(base_users, base_devs), acc)
+    top1_unclipped, hit_unclipped = _top1(cosine_scores(
+        np.stack([nonprivate_vector(g, n, sums.A) for _, g, n, _, _ in users]),
+        np.stack([nonprivate_vector(g, n, sums.A) for _, g, n, _, _ in devs])), acc)
     calibrated = {}
     for eps in cfg.epsilons:
         _, sigma, claimed = calibrated[eps] = calibrate(tb, cfg, eps)
@@ -307,6 +321,9 @@ def identification_rows(cfg: Config, market, acc, tb, a_key):
         rows += clip_rows(cfg, devs, base_users, acc, calibrated[4.0])
     rows.append({"part": "identification", "setting": "nonprivate", "epsilon": math.inf,
                  "rank": cfg.rank, "top1_acc": top1_np, "top1_hit": hit_np})
+    rows.append({"part": "identification", "setting": "nonprivate, unclipped (one_step)",
+                 "epsilon": math.inf, "rank": cfg.rank, "top1_acc": top1_unclipped,
+                 "top1_hit": hit_unclipped})
     rank_curve = {}
     for r in cfg.ranks:
         _, A_r = lora.init_lora(a_key, tb.backbone.params, tb.predicate, lora.LoraConfig(r))
@@ -317,6 +334,7 @@ def identification_rows(cfg: Config, market, acc, tb, a_key):
                      "top1_acc": rank_curve[r], "top1_hit": hit})
     norms = np.concatenate([d[3] for d in devs])
     extra = {"top1_nonprivate": top1_np, "hit_nonprivate": hit_np,
+             "top1_nonprivate_unclipped": top1_unclipped,
              "oracle_top1": float(np.mean(acc.max(axis=1))), "random_top1": float(np.mean(acc)),
              "median_grad_norm": float(np.median(norms)),
              "fraction_clipped": float(np.mean(norms > cfg.l2_clip)),
@@ -335,6 +353,11 @@ def parity(cfg: Config, market, tb, a_key, sums, devs, calibrated) -> dict[str, 
     res = tb.model_spec(texts, logits, d.classes, a_key, plain)
     out["parity_nonprivate"] = float(np.abs(res.spec.vector - nonprivate_vector(
         g_w, n, sums.A)).max() / np.abs(res.spec.vector).max())
+    clipped = S.SpecConfig.preset("one_step_clipped", rank=cfg.rank, example_clip=cfg.l2_clip,
+                                  progress=False)
+    res = tb.model_spec(texts, logits, d.classes, a_key, clipped)
+    out["parity_nonprivate_clipped"] = float(np.abs(res.spec.vector - clipped_vector(
+        s_clip, n)).max() / np.abs(res.spec.vector).max())
     config, sigma, claimed = calibrated.get(4.0) or calibrate(tb, cfg, 4.0)
     res = tb.model_spec(texts, logits, d.classes, a_key, config, noise_key=jax.random.key(1))
     out["parity_dp_noise_multiplier"] = abs(res.spec.info["noise_multiplier"] - sigma)
@@ -425,7 +448,8 @@ def run(cfg: Config, out: Path | None, plot: Path | None, *, quick: bool) -> dic
     if plot is not None:
         summary["plot"] = _plot(curves, rank_curve, extra, audit_rows, plot)
     config = {"market": dataclasses.asdict(cfg.ident.market), "a_seed": cfg.ident.a_seed,
-              "spec_recipe": "one_step", "private_settings": ["dev", "both"],
+              "spec_recipe": "one_step_clipped (private: one_step + PrivacyConfig)",
+              "private_settings": ["dev", "both"],
               **{f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)
                  if f.name != "ident"},
               "quick": quick}
