@@ -55,7 +55,11 @@ def test_modes_follow_the_paper_where_stated(bench):
     for s in (bench.QUICK, bench.MID, bench.FULL):
         assert (s.l2_clip, s.rho, s.batch, s.weight_decay) == (0.2, 0.05, 16, 1e-2)
         assert 4.0 in s.epsilons and math.inf in s.epsilons
-    assert bench.METHODS["dpm"] == ("same", 0.05) and bench.METHODS["naive"] == ("none", 0.0)
+    assert bench.METHODS["dpm_paper"] == ("same", 0.05) and bench.METHODS["naive"] == ("none", 0.0)
+    # the benchmark's rescaled anchor is shared by DP-Merging and its two ablations
+    assert bench.METHODS["dpm"] == ("same", bench.ANCHOR) and bench.ANCHOR < 0.05
+    assert bench.METHODS["anchor"] == ("none", bench.ANCHOR)
+    assert bench.METHODS["random"] == ("random", bench.ANCHOR)
     for s in (bench.MID, bench.FULL):  # "10 training epochs"
         assert s.steps * s.batch == 10 * s.n_train
         assert s.epsilons == (1.0, 4.0, 8.0, math.inf) and len(s.tasks) == 5
@@ -189,6 +193,7 @@ def test_summary_counts_wins_and_pairs_seeds(bench):
     rows = [{"kind": "zero_shot", "accuracy": 0.5}, {"kind": "zero_shot", "accuracy": 0.7}]
     out = bench._summary(s, rows, runs)
     assert out["dpm_wins_at_eps4"] == 3 and out["target_met"] is False
+    assert out["dpm_paper_wins_at_eps4"] == 5 and out["dpm_paper_minus_naive_wa"] == 0.0
     assert out["naive_wa"] == pytest.approx(0.65) and out["dpm_ta"] == pytest.approx(0.55)
     assert out["dpm_minus_naive_wa"] == pytest.approx(0.0)
     assert out["dpm_minus_naive_wa_std"] == pytest.approx(math.sqrt(0.02))  # diffs +0.1, -0.1
@@ -221,7 +226,7 @@ def test_benchmark_end_to_end_on_real_minilm_one_task(bench, tmp_path):
             assert r["gap"] == 0.0  # one task: weight averaging returns its own model
     sigma = {r["method"]: r["sigma"] for r in rows if r["kind"] == "individual"
              and r["epsilon"] == 4.0}
-    assert sigma["dpm"] > sigma["naive"] == sigma["anchor"] == sigma["random"]
+    assert sigma["dpm"] == sigma["dpm_paper"] > sigma["naive"] == sigma["anchor"] == sigma["random"]
     assert summary["target_met"] == (summary["dpm_wins_at_eps4"] >= 4)
     out = tmp_path / "r.json"
     bench.emit("dp_merging", config, rows, summary, out)
