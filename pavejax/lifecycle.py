@@ -262,8 +262,10 @@ def run_lifecycle(cfg: LifecycleConfig, log: Callable[[str], None] = print) -> d
     u_pool = _data([utask.train.inputs[i] for i in pool_idx],
                    np.asarray(utask.train.labels)[pool_idx], cfg.seq_len)
     u_test = _data(utask.test.inputs, utask.test.labels, cfg.seq_len)
+    # the developers' recipe without the noise: each shot's gradient clipped to their C
     uspec = tb.user_spec(shots.inputs, shots.labels, uclasses, a_key,
-                         SpecConfig.preset("one_step", rank=cfg.spec_rank, progress=False))
+                         SpecConfig.preset("one_step_clipped", rank=cfg.spec_rank,
+                                           example_clip=cfg.spec_clip, progress=False))
     found = dock.search(uspec.spec, k=len(dock))
     entries = {e.id: e for e in dock.list()}
     ranking, accs = [], {}

@@ -441,3 +441,22 @@ def test_example_clip_with_privacy_must_match_the_dp_clip():
     with pytest.raises(ValueError, match="differs from privacy.l2_clip"):
         SpecConfig.preset("one_step_clipped", example_clip=2.0, privacy=priv)
     assert SpecConfig.preset("one_step_clipped", privacy=priv).example_clip == 1.0
+
+
+def test_example_clip_refuses_a_non_finite_example_gradient(key):
+    """An example whose loss is NaN would silently count as zero in the clipped sum; it is
+    refused instead (the inputs themselves are finite, so _check_data lets them through)."""
+    bb = _backbone()
+    inputs, labels = _task(5, 20, 0)
+    inputs["x"][3, 0] = 7.0
+
+    def poisoned(p, batch, head):
+        logits = _toy_logits(p, batch, head)
+        return jnp.where((batch["x"][:, :1] == 7.0), jnp.nan, logits)
+
+    cfg = SpecConfig.preset("one_step_clipped", rank=4, progress=False)
+    with pytest.raises(ValueError, match="1 examples gave a non-finite loss or gradient"):
+        user_spec(poisoned, bb, _kernels, inputs, labels, 2, key, cfg, aux=HEAD)
+    inputs["x"][3, 0] = 0.5
+    assert np.isfinite(user_spec(poisoned, bb, _kernels, inputs, labels, 2, key, cfg,
+                                 aux=HEAD).spec.vector).all()
