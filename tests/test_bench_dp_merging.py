@@ -45,6 +45,8 @@ def _settings(bench, **changes):
     ({"batch": 128}, r"batch \(128\) must not exceed n_train \(64\)"),
     ({"epsilons": ()}, "epsilons must be a non-empty tuple"),
     ({"epsilons": (4.0, 0.0)}, "epsilons must be a non-empty tuple"),
+    ({"methods": ("naive",)}, "methods must include 'naive' and 'dpm'"),
+    ({"methods": ("naive", "dpm", "sam")}, "methods must include 'naive' and 'dpm'"),
 ])
 def test_settings_reject_bad_values(bench, changes, match):
     with pytest.raises(ValueError, match=match):
