@@ -255,6 +255,7 @@ def test_spec_model_and_user_side_in_the_dock_space(work, dock):
     assert spec.info["noise_key"].startswith("fresh")  # the noise key is secret, never recorded
     user = load_spec(work / "s_user")
     assert user.kind == "user" and user.info["guarantee"]["kind"] == "none"
+    assert user.info["config"]["example_clip"] == 0.05  # the shots are clipped at --clip
     assert specs["user"]["num_examples"] == 8 and user.signature == sig
     for f in (work / "s_m1").rglob("*"):  # secrets never enter a release
         if f.is_file():

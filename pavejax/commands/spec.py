@@ -47,7 +47,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "Default: 4 on the model side, none (non-private) on the user side")
     p.add_argument("--delta", type=float, default=1e-5, help=sh.DELTA_HELP)
     p.add_argument("--clip", type=sh.positive_float, default=0.05,
-                   help="DP-S-PAVE joint L2 clip C of each example's gradient on all B blocks")
+                   help="joint L2 clip C of each example's gradient on all B blocks: DP-S-PAVE's "
+                   "on the model side; the non-private user spec clips its shots at the same C")
     p.add_argument("--examples", type=sh.positive_int, default=256,
                    help="model side: at most this many training inputs are the spec data")
     p.add_argument("--rank", type=sh.positive_int, default=None,
@@ -111,7 +112,11 @@ def run(ns: argparse.Namespace) -> int:
         target_epsilon=epsilon, l2_clip=ns.clip, sampling="full", accountant="rdp",
         delta=ns.delta, microbatch_size=32)
     # DP-S-PAVE draws its noise key fresh from the OS (generate_spec's default)
-    config = SpecConfig.preset("one_step", rank=rank, progress=False, privacy=privacy)
+    # a non-private spec (the user side) clips each example like the DP release, without noise
+    config = (SpecConfig.preset("one_step", rank=rank, progress=False, privacy=privacy)
+              if privacy is not None else
+              SpecConfig.preset("one_step_clipped", rank=rank, example_clip=ns.clip,
+                                progress=False))
     if ns.model is not None:
         res, facts, seq_len = _model_side(ns, config, a_key, layers)
     else:
