@@ -381,9 +381,10 @@ def _hand_clipped_step(bb, inputs, labels, key, rank, clip):
         merged = lora.apply_lora(bb.params, b, a, lcfg)
         return -jnp.sum(t * jax.nn.log_softmax(_toy_logits(merged, {"x": x[None]}, HEAD)[0]))
 
+    grad = jax.jit(jax.grad(loss))  # one example per call: no vmap, no padding
     total, norms = None, []
     for x, t in zip(inputs["x"], targets, strict=True):
-        g = jax.grad(loss)(b0, jnp.asarray(x), jnp.asarray(t))
+        g = grad(b0, jnp.asarray(x), jnp.asarray(t))
         norm = math.sqrt(sum(float(np.sum(np.asarray(v, np.float64) ** 2)) for v in g.values()))
         norms.append(norm)
         g = {p: np.asarray(v, np.float64) * min(1.0, clip / norm) for p, v in g.items()}
