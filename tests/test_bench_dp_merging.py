@@ -210,9 +210,9 @@ def test_summary_counts_wins_and_pairs_seeds(bench):
 @pytest.mark.assets
 @pytest.mark.slow
 def test_benchmark_end_to_end_on_real_minilm_one_task(bench, tmp_path):
-    # three methods keep it short: the random and anchor ablations reuse DP-SGD's trainer and
-    # calibration (test_noise_is_calibrated_per_mode)
-    methods = ("naive", "dpm", "dpm_paper")
+    # the quick set: dpm_paper shares dpm's trainer and calibration (same mode), so leaving it
+    # out keeps the test short without skipping a code path
+    methods = bench.QUICK.methods
     s = bench.Settings(("bbc",), n_train=32, n_test=24, seq_len=8, steps=6,
                        epsilons=(4.0, math.inf), seeds=1, wudi_iters=2, sharp_examples=8,
                        methods=methods)
@@ -235,7 +235,7 @@ def test_benchmark_end_to_end_on_real_minilm_one_task(bench, tmp_path):
             assert r["gap"] == 0.0  # one task: weight averaging returns its own model
     sigma = {r["method"]: r["sigma"] for r in rows if r["kind"] == "individual"
              and r["epsilon"] == 4.0}
-    assert sigma["dpm"] == sigma["dpm_paper"] > sigma["naive"]
+    assert sigma["dpm"] > sigma["naive"] == sigma["anchor"] == sigma["random"]
     assert summary["target_met"] == (summary["dpm_wins_at_eps4"] >= 4)
     out = tmp_path / "r.json"
     bench.emit("dp_merging", config, rows, summary, out)
