@@ -18,7 +18,8 @@ Methods (each scores every (user, developer) pair; the user reuses the top-score
   ``B`` is then a Gaussian sketch of the full fine-tuning gradient). Searched through a
   :class:`pavejax.pave.dock.Dock` on disk. Why the clip: a few shots with large gradients
   otherwise dominate a user's spec. On the full market the unclipped recipe scored
-  ``pave_top1`` 0.835 (20 users; the mid market 0.749), the clipped one 0.873 (mid 0.790);
+  ``pave_top1`` 0.835 and the clipped one 0.873 (20 users, both by this benchmark). On the mid
+  market, from the same gradient sums computed outside the benchmark, 0.749 and 0.790; there
   any clip norm in [0.01, 2] gives the same picks on both markets, since nearly every
   per-example gradient norm exceeds 2 (medians 3.0-4.1).
 * ``rkme``: the learnware package's RKME (RBF gamma 0.1, 100 reduced points) on L2-normalised
