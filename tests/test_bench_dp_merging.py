@@ -2,6 +2,7 @@
 layer, the vmapped private trainer on a synthetic task, merges of unchanged and identical models,
 the summary and the plot, and one end-to-end run on real MiniLM and real text (BBC)."""
 
+import dataclasses
 import importlib
 import json
 import math
@@ -124,15 +125,24 @@ def _stack(ds):
     return jax.tree.map(lambda *xs: jnp.stack(xs), *ds)
 
 
-def test_trainer_learns_and_the_anchor_bounds_drift(bench, key):
+@pytest.fixture(scope="module")
+def none_run(bench):
+    """A noise-free DP-AdamW ("none") run of two synthetic tasks, without and with the anchor:
+    (inputs of ``make_trainer(...)``, settings, trained params), shared by two tests."""
     s = _settings(bench)
     train, cols = _synthetic(0, s.n_train)
     w0, model = _w0(1), bench.Model(1e-12)
+    key = jax.random.key(0)
     keys = jnp.stack([jnp.stack([jax.random.fold_in(key, t) for t in range(2)])] * 2)
-    anchor = bench.METHODS["anchor"][1]
-    params = bench.make_trainer(model, "none", s)(
-        keys, _stack(train), cols, w0, jnp.asarray([0.0, 0.0], jnp.float32),
-        jnp.asarray([0.0, anchor], jnp.float32))
+    inputs = (keys, _stack(train), cols, w0, jnp.asarray([0.0, 0.0], jnp.float32),
+              jnp.asarray([0.0, bench.METHODS["anchor"][1]], jnp.float32))
+    return inputs, s, bench.make_trainer(model, "none", s)(*inputs)
+
+
+def test_trainer_learns_and_the_anchor_bounds_drift(bench, none_run):
+    (_, _, cols, w0, _, _), s, params = none_run
+    train, _ = _synthetic(0, s.n_train)
+    model = bench.Model(1e-12)
     for t in range(2):
         before = float(model.accuracy(w0, cols[t], train[t]))
         free, anchored = (jax.tree.map(lambda x: x[r, t], params) for r in range(2))  # noqa: B023
@@ -146,24 +156,20 @@ def test_trainer_learns_and_the_anchor_bounds_drift(bench, key):
                                           np.asarray(w0["head"])[:, ~np.asarray(cols[t])])
 
 
-def test_fresh_mode_draws_its_own_ascent_batch_and_keeps_the_descent_pairing(bench, key):
+def test_fresh_mode_draws_its_own_ascent_batch_and_keeps_the_descent_pairing(bench, none_run):
     # Without noise, the descent batches come from the same key in every mode. With rho = 0 the
-    # ascent is not applied, so "fresh", "same", "reuse" and "none" train identically; with
-    # rho > 0 "fresh" and "same" differ only through the ascent query's batch.
-    train, cols = _synthetic(2, 64)
-    w0, model = _w0(3), bench.Model(1e-12)
-    keys = jnp.stack([jnp.stack([jax.random.fold_in(key, t) for t in range(2)])])
-    zero, anchor = jnp.zeros((1,), jnp.float32), jnp.full((1,), 0.01, jnp.float32)
+    # ascent is not applied, so "fresh" trains exactly as "none"; with rho > 0 "fresh" and
+    # "same" differ only through the ascent query's batch.
+    inputs, s, params = none_run
+    model = bench.Model(1e-12)
 
     def train_mode(mode, rho):
-        s = _settings(bench, steps=20, rho=rho)
-        return bench.make_trainer(model, mode, s)(keys, _stack(train), cols, w0, zero, anchor)
+        return jax.tree.leaves(
+            bench.make_trainer(model, mode, dataclasses.replace(s, rho=rho))(*inputs))
 
-    flat = {m: jax.tree.leaves(train_mode(m, 0.0)) for m in ("none", "same", "fresh", "reuse")}
-    for m in ("same", "fresh", "reuse"):
-        for a, b in zip(flat["none"], flat[m], strict=True):
-            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
-    same, fresh = (jax.tree.leaves(train_mode(m, 0.5)) for m in ("same", "fresh"))
+    for a, b in zip(jax.tree.leaves(params), train_mode("fresh", 0.0), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
+    same, fresh = train_mode("same", 0.5), train_mode("fresh", 0.5)
     assert all(bool(jnp.all(jnp.isfinite(x))) for x in fresh)
     assert max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(same, fresh, strict=True)) > 1e-4
 
