@@ -248,14 +248,15 @@ def _audit_data():
             {"x": jnp.asarray(x_out)}, jnp.arange(N_EX) > 0)
 
 
-def _audit_cfg():
-    return mt.MergeTrainConfig(dataset_size=N_EX, steps=1, mode="same", noise_multiplier=SIGMA,
+def _audit_cfg(mode="same"):
+    return mt.MergeTrainConfig(dataset_size=N_EX, steps=1, mode=mode, noise_multiplier=SIGMA,
                                batch_size=N_EX, l2_clip=CLIP, rho=RHO, anchor=0.0,
                                optimizer="sgd", learning_rate=1.0)
 
 
-def _correct_release(batch, mask, key):
-    cfg = _audit_cfg()
+def _correct_release(batch, mask, key, mode="same"):
+    # batch_size = dataset_size: q = 1, so a "fresh" ascent draw is the whole data set again
+    cfg = _audit_cfg(mode)
     w = {"w": jnp.zeros(3)}
     new, _ = mt.dp_sam_step(_lin_loss, cfg, mt.init_state(w, cfg), None, w, batch, mask, batch,
                             mask, key)
@@ -274,22 +275,43 @@ def _broken_release(batch, mask, key):
 
 
 @functools.cache
-def _claimed():
+def _claimed(mode="same"):
     ledger = Ledger("add_remove", accountant="rdp")
-    ledger.record(mt.step_event("same", SIGMA, 1.0))
+    ledger.record(mt.step_event(mode, SIGMA, 1.0))
     return ledger.epsilon(DELTA)
+
+
+def _audit_lower(release, seed):
+    """Audit epsilon of ``release`` (canary in vs out, RUNS runs each)."""
+    d_in, m_in, d_out, m_out = _audit_data()
+    keys = jax.random.split(jax.random.key(seed), 2 * RUNS)
+    run = jax.jit(jax.vmap(release, in_axes=(None, None, 0)))
+    s_in = np.asarray(run(d_in, m_in, keys[:RUNS]))
+    s_out = np.asarray(run(d_out, m_out, keys[RUNS:]))
+    return epsilon_lower_bound(s_in, s_out, delta=DELTA, alpha=0.05)
 
 
 @pytest.mark.parametrize("variant", ["correct", "broken"])
 def test_audit_same_mode(variant):
     fn = _correct_release if variant == "correct" else _broken_release
-    d_in, m_in, d_out, m_out = _audit_data()
-    keys = jax.random.split(jax.random.key(7), 2 * RUNS)
-    run = jax.jit(jax.vmap(fn, in_axes=(None, None, 0)))
-    s_in = np.asarray(run(d_in, m_in, keys[:RUNS]))
-    s_out = np.asarray(run(d_out, m_out, keys[RUNS:]))
-    lower = epsilon_lower_bound(s_in, s_out, delta=DELTA, alpha=0.05)
+    lower = _audit_lower(fn, 7)
     claimed = _claimed()
+    assert 2.0 < claimed < 5.0
+    if variant == "correct":
+        assert lower <= claimed
+    else:
+        assert lower > claimed, f"audit missed the broken ascent ({lower} <= {claimed})"
+
+
+@pytest.mark.parametrize("variant", ["correct", "broken"])
+def test_audit_fresh_mode(variant):
+    # "fresh" (the DP-Merging benchmark's reading): two noised queries on independent Poisson
+    # batches, accounted as two subsampled Gaussians per step. The broken variant takes the
+    # ascent from the un-noised clipped gradient and is accounted as "fresh" all the same.
+    fn = (functools.partial(_correct_release, mode="fresh") if variant == "correct"
+          else _broken_release)
+    lower = _audit_lower(fn, 8)
+    claimed = _claimed("fresh")
     assert 2.0 < claimed < 5.0
     if variant == "correct":
         assert lower <= claimed
