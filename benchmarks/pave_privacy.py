@@ -75,6 +75,7 @@ from typing import Any
 
 import _common
 import _pave_privacy_audits as audits
+import _spec_sums
 import identification
 import jax
 import jax.numpy as jnp
@@ -86,7 +87,7 @@ from pavejax.data.market import build_market, evaluate_market
 from pavejax.data.market_metrics import ranking_metrics
 from pavejax.pave import spec as S
 from pavejax.pave.text import TextSpecBackbone
-from pavejax.privacy import clipping, per_example_norms, privatize_sum
+from pavejax.privacy import per_example_norms, privatize_sum
 
 EPSILONS = (0.5, 1.0, 2.0, 4.0, 8.0)
 
@@ -99,7 +100,7 @@ def _log(msg: str) -> None:
 class Config:
     ident: identification.Config
     epsilons: tuple[float, ...] = EPSILONS
-    ranks: tuple[int, ...] = (2, 4, 8, 16)
+    ranks: tuple[int, ...] = (2, 4, 8, 16, 32)
     rank: int = 8
     l2_clip: float = 1.0
     delta: float = 1e-5
@@ -144,28 +145,17 @@ class Sums:
         self.lcfg = lora.LoraConfig(cfg.rank)
         self.B0, self.A = lora.init_lora(a_key, tb.backbone.params, tb.predicate, self.lcfg)
         self.paths = sorted(self.B0)
-        params, logits_fn, scale = tb.backbone.params, tb.logits_fn, self.lcfg.scale
+        scale, A = self.lcfg.scale, self.A
         self.clips = clips = tuple(sorted({cfg.l2_clip, *cfg.clip_grid}))
-        A = self.A
-
-        def example_loss(w, head, ex):
-            merged = jax.tree_util.tree_map_with_path(
-                lambda kp, leaf: w.get(lora.path_string(kp), leaf), params)
-            x = {k: v[None] for k, v in ex.items() if k != "__target"}
-            return S._cross_entropy(logits_fn(merged, x, head), ex["__target"][None])[0]
+        grads = _spec_sums.weight_grads_fn(tb, self.paths)
 
         @jax.jit
         def sums(head, batch, mask):
-            sel = {p: w for p, w in lora.named_leaves(params).items() if p in A}
-            g = jax.vmap(jax.grad(example_loss), in_axes=(None, None, 0))(sel, head, batch)
-            g = {p: v.reshape((v.shape[0],) + lora._as_matrix(v.shape[1:])) for p, v in g.items()}
+            g = grads(head, batch)
             gb = {p: scale * jnp.einsum("ir,bio->bro", A[p], g[p],
                                         precision=jax.lax.Precision.HIGHEST) for p in g}
+            by_clip = {str(c): _spec_sums.clipped_sums(gb, mask, c)[0] for c in clips}
             norms = per_example_norms(gb)
-            by_clip = {}
-            for c in clips:
-                coef = jnp.where(mask & jnp.isfinite(norms), clipping._scale(norms, c), 0.0)
-                by_clip[str(c)] = {p: jnp.einsum("b,bro->ro", coef, v) for p, v in gb.items()}
             g_w = {p: jnp.einsum("b,bio->io", mask.astype(v.dtype), v) for p, v in g.items()}
             return by_clip, g_w, norms
 
@@ -174,16 +164,11 @@ class Sums:
     def __call__(self, texts: Sequence[str], targets: np.ndarray, classes: Sequence[str]):
         """(clipped sum dict at ``cfg.l2_clip``, full-weight gradient sum dict, n, per-example
         norms, {clip norm: clipped sum dict} for every norm of ``cfg.clip_grid``)."""
-        enc = self.tb.encode(list(texts))
-        enc["__target"] = np.asarray(targets, np.float32)
-        head, n, m = self.tb.head(classes), len(texts), self.cfg.microbatch
+        head, n = self.tb.head(classes), len(texts)
         by_clip = g_w = None
         norms = []
-        for i in range(0, n, m):
-            part = {k: v[i:i + m] for k, v in enc.items()}
-            real = len(part["__target"])
-            part = {k: np.concatenate([v, np.repeat(v[:1], m - real, 0)]) for k, v in part.items()}
-            mask = jnp.arange(m) < real
+        for part, mask, real in _spec_sums.microbatches(self.tb, texts, targets,
+                                                        self.cfg.microbatch):
             cs, gw, nrm = self._sums(head, part, mask)
             by_clip = cs if by_clip is None else jax.tree.map(jnp.add, by_clip, cs)
             g_w = gw if g_w is None else jax.tree.map(jnp.add, g_w, gw)
@@ -287,6 +272,55 @@ def clip_rows(cfg: Config, devs, base_users, acc, calibrated) -> list[dict[str, 
     return rows
 
 
+def clipped_rank_rows(cfg: Config, market, tb, a_key, acc, calibrated, base_devs):
+    """The clipped recipe at every rank of ``cfg.ranks`` (A of that rank from ``a_key``): the
+    non-private ``one_step_clipped`` specs on both sides, and (with ``calibrated``, eps = 4) the
+    developer setting: ``-(S + N(0, (sigma C)^2 I)) / n`` with the eps = 4 sigma, which does not
+    depend on the rank (the release is one Gaussian mechanism on the jointly clipped sum), over
+    ``cfg.repeats`` noise draws (NumPy noise, seeded per spec as the main rows are). One pass of
+    per-example gradients gives every rank (:class:`_spec_sums.ClippedSpecs`).
+
+    Returns ({rank: (non-private top-1, eps-4 top-1 or None)}, rows, parity): ``parity`` is the
+    max relative difference between this pass's developer specs at ``cfg.rank`` and the main
+    rows' clipped specs ``base_devs`` (the same A), or None when ``cfg.rank`` is not swept."""
+    ranks = tuple(cfg.ranks)
+    a_list = [lora.init_lora(a_key, tb.backbone.params, tb.predicate, lora.LoraConfig(r))[1]
+              for r in ranks]
+    specs = _spec_sums.ClippedSpecs(tb, a_list, clip=cfg.l2_clip, microbatch=cfg.microbatch)
+    devs = [specs(list(d.train.inputs), S.soft_targets(d.logits(list(d.train.inputs))),
+                  d.classes) for d in market.developers]
+    users = [specs(list(u.few_shot.inputs), S.hard_targets(u.few_shot.labels, len(u.classes)),
+                   u.classes) for u in market.users]
+    ns = np.array([len(d.train.inputs) for d in market.developers], np.float64)
+    curve, rows = {}, []
+    for c, r in enumerate(ranks):
+        dev, user = np.stack([v[c] for v in devs]), np.stack([v[c] for v in users])
+        top1, hit = _top1(cosine_scores(user, dev), acc)
+        rows.append({"part": "rank", "setting": "nonprivate (one_step_clipped)",
+                     "epsilon": math.inf, "rank": r, "top1_acc": top1, "top1_hit": hit})
+        private = None
+        if calibrated is not None:
+            _, sigma, claimed = calibrated
+            vals = []
+            for rep in range(cfg.repeats):
+                noisy = np.stack([
+                    dev[j] - np.random.default_rng(_seed(rep, "dev", j)).normal(
+                        0.0, sigma * cfg.l2_clip, dev.shape[1]) / ns[j]
+                    for j in range(len(dev))])
+                vals.append(_top1(cosine_scores(user, noisy), acc)[0])
+            private = float(np.mean(vals))
+            rows.append({"part": "rank", "setting": "dev", "epsilon": 4.0,
+                         "claimed_epsilon": claimed, "rank": r, "noise_multiplier": sigma,
+                         "top1_acc": private, "top1_acc_std": float(np.std(vals)),
+                         "repeats": cfg.repeats})
+        curve[r] = (top1, private)
+    parity = None
+    if cfg.rank in ranks:
+        own = np.stack([v[ranks.index(cfg.rank)] for v in devs])
+        parity = float(np.abs(own - base_devs).max() / np.abs(base_devs).max())
+    return curve, rows, parity
+
+
 def identification_rows(cfg: Config, market, acc, tb, a_key):
     t0 = time.perf_counter()
     sums = Sums(tb, a_key, cfg)
@@ -332,21 +366,25 @@ def identification_rows(cfg: Config, market, acc, tb, a_key):
     rows.append({"part": "identification", "setting": "nonprivate, unclipped (one_step)",
                  "epsilon": math.inf, "rank": cfg.rank, "top1_acc": top1_unclipped,
                  "top1_hit": hit_unclipped})
-    rank_curve = {}
+    rank_curve, rank_rows, rank_parity = clipped_rank_rows(cfg, market, tb, a_key, acc,
+                                                           calibrated.get(4.0), base_devs)
+    rows += rank_rows
     for r in cfg.ranks:
         _, A_r = lora.init_lora(a_key, tb.backbone.params, tb.predicate, lora.LoraConfig(r))
         scores = cosine_scores(np.stack([nonprivate_vector(g, n, A_r) for _, g, n, _, _ in users]),
                                np.stack([nonprivate_vector(g, n, A_r) for _, g, n, _, _ in devs]))
-        rank_curve[r], hit = _top1(scores, acc)
-        rows.append({"part": "rank", "setting": "nonprivate", "epsilon": math.inf, "rank": r,
-                     "top1_acc": rank_curve[r], "top1_hit": hit})
+        top1, hit = _top1(scores, acc)
+        rows.append({"part": "rank", "setting": "nonprivate, unclipped (one_step)",
+                     "epsilon": math.inf, "rank": r, "top1_acc": top1, "top1_hit": hit})
     norms = np.concatenate([d[3] for d in devs])
     extra = {"top1_nonprivate": top1_np, "hit_nonprivate": hit_np,
              "top1_nonprivate_unclipped": top1_unclipped,
              "oracle_top1": float(np.mean(acc.max(axis=1))), "random_top1": float(np.mean(acc)),
              "median_grad_norm": float(np.median(norms)),
              "fraction_clipped": float(np.mean(norms > cfg.l2_clip)),
-             "seconds_sums": t_sums}
+             "seconds_sums": t_sums, "parity_rank_rows": rank_parity,
+             **{f"top1_nonprivate_r{r}": v[0] for r, v in rank_curve.items()},
+             **{f"top1_eps4_r{r}": v[1] for r, v in rank_curve.items() if v[1] is not None}}
     return rows, curves, rank_curve, extra, (sums, devs, calibrated)
 
 
@@ -399,9 +437,13 @@ def _plot(curves, rank_curve, extra, audit_rows, path: Path) -> str | None:
     ax.minorticks_off()
     ax.legend(fontsize=7)
     ranks = sorted(rank_curve)
-    axes[1].plot(ranks, [rank_curve[r] for r in ranks], "o-")
+    axes[1].plot(ranks, [rank_curve[r][0] for r in ranks], "o-", label="non-private")
+    if all(rank_curve[r][1] is not None for r in ranks):
+        axes[1].plot(ranks, [rank_curve[r][1] for r in ranks], "s-",
+                     label="DP developer specs, eps 4")
+    axes[1].legend(fontsize=7)
     axes[1].set(xscale="log", xlabel="rank r", ylabel="top-1 reuse accuracy", ylim=(0, 1),
-                title="identification vs rank (non-private)")
+                title="identification vs rank (clipped recipe)")
     axes[1].set_xticks(ranks, [str(r) for r in ranks])
     axes[1].minorticks_off()
     ax = axes[2]
