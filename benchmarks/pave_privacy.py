@@ -3,13 +3,19 @@
 Identification rows (the market of ``identification.py``: real all-MiniLM-L6-v2, real text;
 quick: its quick market). Spec recipe: identification's ``"one_step_clipped"`` preset (one
 full-batch SGD step from B = 0 on per-example gradients clipped jointly to C = 1, rank 8 on
-every query/value kernel, A secret from one key); it is the non-private baseline
+every query/value kernel, A secret from one key; identification runs it at rank 32, and the
+``rank`` rows cover 2-32); it is the non-private baseline
 (``top1_nonprivate``, both sides) and the users' query in the ``dev`` setting. Its private
 version is ``"one_step"`` with ``PrivacyConfig(target_epsilon=eps, sampling="full",
 l2_clip=C)``: the same clipped sum plus one Gaussian draw (sensitivity 2C under replace-one,
 noise sigma C, sigma calibrated by the PLD accountant at delta = 1e-5), so the gap to the
 baseline is the noise alone. ``top1_nonprivate_unclipped`` is the plain ``"one_step"``
-recipe (no clip), and the ``rank`` rows use it too (clip coefficients depend on the rank).
+recipe (no clip). ``rank`` rows, for each rank of ``ranks`` (A of that rank from the same key):
+the clipped recipe non-private (``top1_nonprivate_r{r}``) and in the developer setting at
+eps = 4 (``top1_eps4_r{r}``: the same sigma, since the release is one Gaussian mechanism on the
+jointly clipped sum whatever the rank; NumPy noise, so the rank-8 row is a second estimate of
+``top1_eps4``, not a copy; ``parity_rank_rows`` checks its noise-free specs against the main
+rows'), and the unclipped ``"one_step"`` recipe non-private.
 ``C = 1`` is fixed, not measured on private data: per-example gradient norms of this recipe are
 ~3-6 for confident targets and tiny for undertrained developers (``median_grad_norm`` and
 ``fraction_clipped`` report them), so almost every informative example is clipped to C and
@@ -18,7 +24,7 @@ contributes a unit-norm direction.
 Two private settings, both reported: ``dev`` (developer specs are DP-S-PAVE, the released market
 specs; users keep their non-private query) and ``both`` (user specs are DP-S-PAVE too). Every
 spec draws its own noise (its own seed); each (epsilon, setting) is averaged over ``repeats``
-noise draws. Rank rows are non-private. ``data_scale`` rows are a projection, not a
+noise draws. ``data_scale`` rows are a projection, not a
 measurement: developer specs at eps = 4 with noise sigma / k, which is what k times more spec
 data with the same per-example gradient distribution would give; ``data_scale_for_target`` is
 the smallest such k that meets the target.
@@ -44,9 +50,10 @@ and the white-box Dirac canary (tightness). Summary keys: ``top1_eps4`` (dev set
 ``whitebox_over_claimed`` (at eps = 4), ``target_met`` (top1_eps4 within 0.03 of non-private).
 
 ``--quick``: the quick market, 3 noise draws, 5k black-box audit runs and 100k white-box runs,
-audits at eps 1 and 4 only (1 min 58 s on 2 idle cores: market ~22 s, gradient sums ~48 s,
-audits ~17 s). Full: the full market, 10 draws, 50k / 1M runs at every eps (sized for one GPU;
-7.8 minutes on 2 idle cores).
+audits at eps 1 and 4 only (about 3 minutes on 2 idle cores: market ~22 s, gradient sums
+~48 s, the rank pass about as long, audits ~17 s). Full: the full market, 10 draws, 50k / 1M
+runs at every eps (sized for one GPU; 11.7 minutes on 2 cores, part of it shared with another
+job).
 
 ``clip`` rows: the eps = 4 developer setting for each clip norm of ``clip_grid`` (same noise
 seeds; reading aid only, a release cannot tune C on its data), and ``top1_clipped_noise_free``,
@@ -56,11 +63,14 @@ What limits accuracy: the noise. Clipping costs nothing (the clipped recipe, noi
 better than the unclipped one: 0.873 against 0.835 on the full market), and the rank matters
 little: a user ranks developers by the projection of each noisy spec on the user's own
 direction, whose noise has std sigma C in any dimension. The signal is the clipped sum of
-64-192 per-example gradients that partly cancel. On the full market at eps = 4 the developer
+128-192 per-example gradients that partly cancel. On the full market at eps = 4 the developer
 setting reaches 0.780 (10 draws, std 0.048), 9.3 points below the clipped baseline; the
 ``data_scale`` projection needs four times the spec data to come within 3 points (0.847).
-Few-shot user specs (20-50 examples, setting ``both``) are dominated by noise at every
-eps <= 8.
+The ``rank`` rows at eps = 4 (full market, 10 draws each, std 0.03-0.04): rank 2 / 4 / 8 / 16
+/ 32 give 0.742 / 0.764 / 0.771 / 0.776 / 0.792 against non-private 0.846 / 0.842 / 0.873 /
+0.877 / 0.883, a gap of 8-10 points at every rank; the differences between ranks are within
+the spread over noise draws. Few-shot user specs (20-50 examples, setting ``both``) are
+dominated by noise at every eps <= 8.
 """
 
 from __future__ import annotations
