@@ -21,6 +21,17 @@ from pavejax.pave.text import TextSpecBackbone
 from pavejax.privacy import clipping, per_example_norms
 
 
+def over_market(fn, market) -> tuple[list, list]:
+    """``fn(texts, targets, classes)`` on every developer (its training inputs, soft targets
+    from its own model) and every user (the few shots, one-hot labels): the spec data sets of
+    the identification recipe. Returns (per developer, per user)."""
+    devs = [fn(list(d.train.inputs), S.soft_targets(d.logits(list(d.train.inputs))), d.classes)
+            for d in market.developers]
+    users = [fn(list(u.few_shot.inputs), S.hard_targets(u.few_shot.labels, len(u.classes)),
+                u.classes) for u in market.users]
+    return devs, users
+
+
 def weight_grads_fn(tb: TextSpecBackbone, paths: Sequence[str]):
     """``f(head, batch) -> {path: (b, d_in, d_out)}``: per-example gradients of the cross-entropy
     to ``batch["__target"]`` with respect to the kernels at ``paths`` (un-jitted: callers jit the

@@ -95,7 +95,7 @@ from pavejax.data.market import Market, MarketConfig, build_market, evaluate_mar
 from pavejax.data.market_metrics import class_identity_accuracy, ranking_metrics
 from pavejax.optim import promotion_safe
 from pavejax.pave.rkme import RKMEConfig, fit_rkme, mmd2_matrix
-from pavejax.pave.spec import PRESETS, SpecConfig, hard_targets, soft_targets
+from pavejax.pave.spec import PRESETS, SpecConfig
 from pavejax.pave.text import TextSpecBackbone
 
 
@@ -176,10 +176,7 @@ def a_draw_rows(market: Market, tb: TextSpecBackbone, cfg: Config, acc: np.ndarr
     a_list = [lora.init_lora(jax.random.key(s), tb.backbone.params, tb.predicate,
                              lora.LoraConfig(r))[1] for r, s in combos]
     specs = _spec_sums.ClippedSpecs(tb, a_list, clip=PRESETS["one_step_clipped"].example_clip)
-    devs = [specs(list(d.train.inputs), soft_targets(d.logits(list(d.train.inputs))), d.classes)
-            for d in market.developers]
-    users = [specs(list(u.few_shot.inputs), hard_targets(u.few_shot.labels, len(u.classes)),
-                   u.classes) for u in market.users]
+    devs, users = _spec_sums.over_market(specs, market)
     oracle = float(np.mean(acc.max(axis=1)))
     rows, by_rank = [], {}
     for c, (r, s) in enumerate(combos):

@@ -309,10 +309,7 @@ def clipped_rank_rows(cfg: Config, market, tb, a_key, acc, calibrated, base_devs
     a_list = [lora.init_lora(a_key, tb.backbone.params, tb.predicate, lora.LoraConfig(r))[1]
               for r in ranks]
     specs = _spec_sums.ClippedSpecs(tb, a_list, clip=cfg.l2_clip, microbatch=cfg.microbatch)
-    devs = [specs(list(d.train.inputs), S.soft_targets(d.logits(list(d.train.inputs))),
-                  d.classes) for d in market.developers]
-    users = [specs(list(u.few_shot.inputs), S.hard_targets(u.few_shot.labels, len(u.classes)),
-                   u.classes) for u in market.users]
+    devs, users = _spec_sums.over_market(specs, market)
     ns = np.array([len(d.train.inputs) for d in market.developers], np.float64)
     curve, rows = {}, []
     for c, r in enumerate(ranks):
@@ -346,10 +343,7 @@ def clipped_rank_rows(cfg: Config, market, tb, a_key, acc, calibrated, base_devs
 def identification_rows(cfg: Config, market, acc, tb, a_key):
     t0 = time.perf_counter()
     sums = Sums(tb, a_key, cfg)
-    devs = [sums(list(d.train.inputs), S.soft_targets(d.logits(list(d.train.inputs))),
-                 d.classes) for d in market.developers]
-    users = [sums(list(u.few_shot.inputs), S.hard_targets(u.few_shot.labels, len(u.classes)),
-                  u.classes) for u in market.users]
+    devs, users = _spec_sums.over_market(sums, market)
     t_sums = time.perf_counter() - t0
     _log(f"gradient sums of {len(devs)} developers and {len(users)} users ({t_sums:.0f} s)")
     rows, curves = [], {"dev": {}, "both": {}}
