@@ -48,6 +48,8 @@ def test_initialize_after_jax_started_is_refused():
 def test_two_processes_equal_one(tmp_path):
     port = _free_port()
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # devices from initialize
+    env["XLA_FLAGS"] = " ".join(f for f in os.environ.get("XLA_FLAGS", "").split()
+                                if "device_count" not in f)  # the rest (conftest) carries over
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [env.get("PYTHONPATH")])])
     procs = [subprocess.Popen([sys.executable, "-m", "tests._multihost_worker", str(pid),
                                str(port), str(tmp_path)], cwd=REPO, env=env,

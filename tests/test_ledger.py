@@ -92,6 +92,34 @@ def test_entries_compose_like_one_long_run():
     assert by_label["b"] < by_label["a"] < split.epsilon(DELTA)
 
 
+def test_per_step_entries_give_the_accountants_self_composition(monkeypatch):
+    """A training records one entry per step. The ledger hands a run of equal events to the
+    accountant as one (event, count): dp-accounting's own answer for ``compose(event, T)``, and
+    one privacy-loss distribution built instead of T."""
+    from dp_accounting.pld import privacy_loss_mechanism as plm
+
+    step = gaussian_step_event(1.3, q=0.25)
+    other = gaussian_step_event(2.0, q=0.25)
+    per_step = Ledger("replace_one", "pld", pld_discretization=1e-3)
+    for _ in range(6):
+        per_step.record(step, label="train")
+    per_step.record(other, 2, label="spec")
+    direct = dpa.pld.PLDAccountant(RO, value_discretization_interval=1e-3)
+    direct.compose(step, 6)
+    direct.compose(other, 2)
+    builds = []
+    init = plm.GaussianPrivacyLoss.__init__
+    monkeypatch.setattr(plm.GaussianPrivacyLoss, "__init__",
+                        lambda self, *a, **k: builds.append(1) or init(self, *a, **k))
+    assert per_step.epsilon(DELTA) == direct.get_epsilon(DELTA)
+    assert len(builds) == 2  # one per distinct event, not one per step
+    # a different event in between breaks the run: still the composition of all eight steps
+    mixed = Ledger("replace_one", "pld", pld_discretization=1e-3)
+    for event in (step, step, other, step, step, step, step, other):
+        mixed.record(event)
+    assert mixed.epsilon(DELTA) == pytest.approx(direct.get_epsilon(DELTA), rel=1e-6)
+
+
 # ---------------------------------------------------------------- relations and closed forms
 
 T, SIGMA = 100, 10.0

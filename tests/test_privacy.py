@@ -119,7 +119,7 @@ def test_padding_mask_excludes_padded_rows_exactly(key):
     for a, b in zip(jax.tree.leaves(results[0].grad_sum), jax.tree.leaves(results[1].grad_sum)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     r_real = _clipped_sum(_loss, params, FROZEN, real, None, cfg)
-    _assert_tree_close(results[0].grad_sum, r_real.grad_sum, rtol=1e-5, atol=1e-7)
+    _assert_tree_close(results[0].grad_sum, r_real.grad_sum, rtol=1e-5, atol=1e-6)
     assert int(results[0].num_nonfinite) == 0  # NaN padding is not counted as a bad example
     np.testing.assert_array_equal(np.asarray(results[0].norms[6:]), 0.0)
 

@@ -21,7 +21,7 @@ import enum
 import json
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from numbers import Integral, Real
 from typing import Any
 
@@ -192,6 +192,20 @@ def _compose(acc: dpa.PrivacyAccountant, event: dp_event.DpEvent, count: int) ->
         raise ValueError(f"the accountant cannot analyse this event: {err}") from err
 
 
+def _runs(events: Iterable[tuple[dp_event.DpEvent, int]]) -> list[tuple[dp_event.DpEvent, int]]:
+    """Consecutive equal events merged into one ``(event, total count)``: the accountant then
+    builds one privacy-loss distribution and self-composes it, instead of building one per
+    recorded step (a T-step training records T equal events; PLD cost drops from T builds to
+    one). The composition is the same; only the accountant's work changes."""
+    out: list[tuple[dp_event.DpEvent, int]] = []
+    for event, count in events:
+        if out and out[-1][0] == event:
+            out[-1] = (event, out[-1][1] + count)
+        else:
+            out.append((event, count))
+    return out
+
+
 def _ensure_supported(acc: dpa.PrivacyAccountant, event: dp_event.DpEvent) -> None:
     if not acc.supports(event):
         _compose(acc, event, 1)  # raises with dp-accounting's reason
@@ -321,8 +335,8 @@ class Ledger:
                         entries: list[LedgerEntry]) -> dpa.PrivacyAccountant:
         name = self.accountant if accountant is None else _check_accountant(accountant)
         acc = _fresh_accountant(name, self.relation, self.pld_discretization)
-        for entry in entries:
-            _compose(acc, self._translated(entry.event, name), entry.count)
+        for event, count in _runs((self._translated(e.event, name), e.count) for e in entries):
+            _compose(acc, event, count)
         return acc
 
     def epsilon(self, delta: float, accountant: str | None = None) -> float:

@@ -9,15 +9,18 @@ g += 2 * anchor * (w - w0)          # reference anchor: no data, added after pri
 w  = optimiser(w, g)                # AdamW by default (decoupled weight decay toward 0)
 ```
 
-Modes of the ascent direction ``a`` and their privacy (K steps, sampling rate q, multiplier z):
+Modes of the ascent direction ``a`` and their privacy (K steps, sampling rate q, multiplier z;
+each mode: its ascent, then the event of one run):
 
-| mode     | ascent ``a``                                   | event per run                                      |
-|----------|-------------------------------------------------|----------------------------------------------------|
-| "none"   | none (plain DP-SGD / DP-AdamW)                  | ``SelfComposed(PoissonSampled(q, G(z)), K)``       |
-| "fresh"  | ``priv(B', w)`` on a *new* Poisson batch B'     | ``SelfComposed(PoissonSampled(q, G(z)), 2K)``      |
-| "same"   | ``priv(B, w)`` on the *same* batch as descent   | ``SelfComposed(PoissonSampled(q, Composed[G(z), G(z)]), K)`` |
-| "reuse"  | previous step's private descent gradient (DPSAT)| same as "none" (post-processing of past releases)  |
-| "random" | ``N(0, I)`` direction (ablation)                | same as "none" (uses no data)                      |
+- ``"none"``: no ascent (plain DP-SGD / DP-AdamW);
+  ``SelfComposed(PoissonSampled(q, G(z)), K)``.
+- ``"fresh"``: ``priv(B', w)`` on a *new* Poisson batch B';
+  ``SelfComposed(PoissonSampled(q, G(z)), 2K)``.
+- ``"same"``: ``priv(B, w)`` on the *same* batch as the descent;
+  ``SelfComposed(PoissonSampled(q, Composed[G(z), G(z)]), K)``.
+- ``"reuse"``: the previous step's private descent gradient (DPSAT); same as ``"none"``
+  (post-processing of past releases).
+- ``"random"``: an ``N(0, I)`` direction (ablation); same as ``"none"`` (uses no data).
 
 Formal guarantee:
   The released parameters after K steps are post-processing of the listed Gaussian queries, so
