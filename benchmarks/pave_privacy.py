@@ -294,6 +294,49 @@ def clip_rows(cfg: Config, devs, base_users, acc, calibrated) -> list[dict[str, 
     return rows
 
 
+def noise_diagnosis_rows(cfg: Config, devs, base_users, base_devs, acc, calibrated
+                         ) -> tuple[list[dict[str, Any]], dict[str, float]]:
+    """Where the eps = 4 loss comes from, on the main rows' own noisy developer specs (same
+    seeds). Oracle diagnostics, not releasable scores: each uses the noise-free sums.
+
+    * ``plain``: the released score (cosine with the noisy spec), recomputed here: it equals
+      ``top1_eps4``, which shows the rows below use the main rows' noise.
+    * ``true_norm``: the user's projection on each noisy spec divided by the noise-free norm
+      |S_j| instead of the noisy |S_j + N|. What a perfect norm would recover.
+    * ``debiased_norm`` (releasable, for comparison): the norm estimated as
+      sqrt(|S_j + N|^2 - D (sigma C)^2), the noise's expected energy removed.
+    * ``query_in_dev_span``: the user's direction projected on the span of the noise-free
+      developer specs. Noise-free, this ranks exactly as the plain query (each S_j lies in the
+      span); with noise, the part of the query outside the span (the few-shot sample's own
+      directions) no longer picks up noise. ``query_norm_in_dev_span`` is the median norm of
+      that projection (the unit query's share inside the span).
+    """
+    _, sigma, claimed = calibrated
+    u = base_users / np.linalg.norm(base_users, axis=1, keepdims=True)
+    q, _ = np.linalg.qr(base_devs.T.astype(np.float64))
+    u_span = (u @ q) @ q.T
+    clean_norm = np.linalg.norm(base_devs, axis=1)
+    vals: dict[str, list[float]] = {"plain": [], "true_norm": [], "debiased_norm": [],
+                                    "query_in_dev_span": []}
+    for rep in range(cfg.repeats):
+        noisy = np.stack([dp_vector(s_clip, n, sigma, cfg.l2_clip, _seed(rep, "dev", j))
+                          for j, (s_clip, _, n, _, _) in enumerate(devs)]).astype(np.float64)
+        ns = np.asarray([n for _, _, n, _, _ in devs], np.float64)
+        energy = np.sum(noisy ** 2, axis=1) - noisy.shape[1] * (sigma * cfg.l2_clip / ns) ** 2
+        debiased = np.sqrt(np.maximum(energy, 1e-2 * np.sum(noisy ** 2, axis=1)))
+        vals["plain"].append(_top1(cosine_scores(u, noisy), acc)[0])  # = the main eps 4 row
+        vals["true_norm"].append(_top1(u @ (noisy / clean_norm[:, None]).T, acc)[0])
+        vals["debiased_norm"].append(_top1(u @ (noisy / debiased[:, None]).T, acc)[0])
+        vals["query_in_dev_span"].append(_top1(cosine_scores(u_span, noisy), acc)[0])
+    rows = [{"part": "noise_diagnosis", "setting": f"dev, {name}", "epsilon": 4.0,
+             "claimed_epsilon": claimed, "rank": cfg.rank, "noise_multiplier": sigma,
+             "top1_acc": float(np.mean(v)), "top1_acc_std": float(np.std(v)),
+             "repeats": cfg.repeats} for name, v in vals.items()]
+    summary = {f"diag_eps4_{name}": float(np.mean(v)) for name, v in vals.items()}
+    summary["query_norm_in_dev_span"] = float(np.median(np.linalg.norm(u_span, axis=1)))
+    return rows, summary
+
+
 def clipped_rank_rows(cfg: Config, market, tb, a_key, acc, calibrated, base_devs):
     """The clipped recipe at every rank of ``cfg.ranks`` (A of that rank from ``a_key``): the
     non-private ``one_step_clipped`` specs on both sides, and (with ``calibrated``, eps = 4) the
@@ -377,6 +420,11 @@ def identification_rows(cfg: Config, market, acc, tb, a_key):
     if 4.0 in calibrated:
         rows += data_scale_rows(cfg, devs, base_users, acc, calibrated[4.0])
         rows += clip_rows(cfg, devs, base_users, acc, calibrated[4.0])
+        diag_rows, diag = noise_diagnosis_rows(cfg, devs, base_users, base_devs, acc,
+                                               calibrated[4.0])
+        rows += diag_rows
+    else:
+        diag = {}
     rows.append({"part": "identification", "setting": "nonprivate", "epsilon": math.inf,
                  "rank": cfg.rank, "top1_acc": top1_np, "top1_hit": hit_np})
     rows.append({"part": "identification", "setting": "nonprivate, unclipped (one_step)",
@@ -398,7 +446,7 @@ def identification_rows(cfg: Config, market, acc, tb, a_key):
              "oracle_top1": float(np.mean(acc.max(axis=1))), "random_top1": float(np.mean(acc)),
              "median_grad_norm": float(np.median(norms)),
              "fraction_clipped": float(np.mean(norms > cfg.l2_clip)),
-             "seconds_sums": t_sums, "parity_rank_rows": rank_parity,
+             "seconds_sums": t_sums, "parity_rank_rows": rank_parity, **diag,
              **{f"top1_nonprivate_r{r}": v[0] for r, v in rank_curve.items()},
              **{f"top1_eps4_r{r}": v[1] for r, v in rank_curve.items() if v[1] is not None}}
     return rows, curves, rank_curve, extra, (sums, devs, calibrated)
