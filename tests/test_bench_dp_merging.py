@@ -3,11 +3,9 @@ layer, the vmapped private trainer on a synthetic task, merges of unchanged and 
 the summary and the plot, and one end-to-end run on real MiniLM and real text (BBC)."""
 
 import dataclasses
-import importlib
 import json
 import math
 import statistics
-import sys
 from pathlib import Path
 
 import jax
@@ -18,17 +16,13 @@ from flax import nnx
 
 from pavejax.models import BertConfig, BertEncoder, mean_pool
 from pavejax.privacy.sampling import BatchOverflowError
-
-_BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+from tests._bench import benchmark_module
 
 
 @pytest.fixture(scope="module")
 def bench():
-    sys.path.insert(0, str(_BENCH))
-    try:
-        yield importlib.import_module("dp_merging")
-    finally:
-        sys.path.remove(str(_BENCH))
+    with benchmark_module("dp_merging") as module:
+        yield module
 
 
 def _settings(bench, **changes):

@@ -1,9 +1,6 @@
 """benchmarks/paczero.py: the modes follow the issue, the cached top-layer adapter reproduces the
 whole model, the cost and memory ratios of a step, and one benchmark cell, on a tiny encoder."""
 
-import importlib
-import sys
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -12,17 +9,13 @@ import pytest
 from flax import nnx
 
 from pavejax.models import BertConfig, BertEncoder, TextClassifier
-
-_BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+from tests._bench import benchmark_module
 
 
 @pytest.fixture(scope="module")
 def bench():
-    sys.path.insert(0, str(_BENCH))
-    try:
-        yield importlib.import_module("paczero")
-    finally:
-        sys.path.remove(str(_BENCH))
+    with benchmark_module("paczero") as module:
+        yield module
 
 
 @pytest.fixture(scope="module")

@@ -1,23 +1,17 @@
 """benchmarks/pave_privacy.py: the eps = 4 noise diagnosis on synthetic clipped sums (no market)."""
 
 import dataclasses
-import importlib
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-_BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+from tests._bench import benchmark_module
 
 
 @pytest.fixture(scope="module")
 def pp():
-    sys.path.insert(0, str(_BENCH))
-    try:
-        yield importlib.import_module("pave_privacy")
-    finally:
-        sys.path.remove(str(_BENCH))
+    with benchmark_module("pave_privacy") as module:
+        yield module
 
 
 def _market(pp, user_dirs, dim=300, n=10, seed=0):

@@ -1,7 +1,6 @@
 """benchmarks/report.py: discovery, --only, subprocess runs, failures reported not fatal, plots
 copied next to the report; on fake benchmark scripts in a temporary folder."""
 
-import importlib
 import json
 import subprocess
 import sys
@@ -10,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-_BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+from tests._bench import BENCH, benchmark_module
+
 # 1x1 PNG
 _PNG = bytes.fromhex("89504e470d0a1a0a0000000d4948445200000001000000010806000000"
                      "1f15c4890000000d49444154789c6360000002000154a24f5d0000000049454e44ae426082")
@@ -18,11 +18,8 @@ _PNG = bytes.fromhex("89504e470d0a1a0a0000000d4948445200000001000000010806000000
 
 @pytest.fixture(scope="module")
 def report():
-    sys.path.insert(0, str(_BENCH))
-    try:
-        yield importlib.import_module("report")
-    finally:
-        sys.path.remove(str(_BENCH))
+    with benchmark_module("report") as module:
+        yield module
 
 
 def _write(path: Path, body: str) -> None:
@@ -70,10 +67,10 @@ def bench_dir(tmp_path):
 
 
 def test_discovers_real_benchmarks_without_helpers(report):
-    found = report.discover(_BENCH)
+    found = report.discover(BENCH)
     assert "report" not in found and not any(n.startswith("_") for n in found)
     assert {"dp_overhead", "dock_search", "paczero"} <= set(found)
-    assert all(p.parent == _BENCH for p in found.values())
+    assert all(p.parent == BENCH for p in found.values())
 
 
 def test_only_selects_and_refuses_unknown_names(report, bench_dir):
@@ -126,7 +123,7 @@ def test_timeout_is_reported(report, bench_dir, tmp_path):
 
 
 def test_script_entry_point(bench_dir, tmp_path):
-    r = subprocess.run([sys.executable, str(_BENCH / "report.py"), "--only", "alpha",
+    r = subprocess.run([sys.executable, str(BENCH / "report.py"), "--only", "alpha",
                         "--bench-dir", str(bench_dir), "--out-dir", str(tmp_path / "cli")],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr

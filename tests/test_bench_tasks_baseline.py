@@ -1,10 +1,7 @@
 """benchmarks/tasks_baseline.py: config checks, the probe against scipy, feature pooling, LoRA
 training on a tiny random encoder, and one end-to-end run on real MiniLM and real text."""
 
-import importlib
 import json
-import sys
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -15,17 +12,13 @@ from scipy.optimize import minimize
 from scipy.special import logsumexp
 
 from pavejax.models import BertConfig, BertEncoder, TextClassifier
-
-_BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+from tests._bench import benchmark_module
 
 
 @pytest.fixture(scope="module")
 def tb():
-    sys.path.insert(0, str(_BENCH))
-    try:
-        yield importlib.import_module("tasks_baseline")
-    finally:
-        sys.path.remove(str(_BENCH))
+    with benchmark_module("tasks_baseline") as module:
+        yield module
 
 
 @pytest.mark.parametrize("changes, match", [
