@@ -52,8 +52,8 @@ and the white-box Dirac canary (tightness). Summary keys: ``top1_eps4`` (dev set
 ``--quick``: the quick market, 3 noise draws, 5k black-box audit runs and 100k white-box runs,
 audits at eps 1 and 4 only (about 3 minutes on 2 idle cores: market ~22 s, gradient sums
 ~48 s, the rank pass about as long, audits ~17 s). Full: the full market, 10 draws, 50k / 1M
-runs at every eps (sized for one GPU; 11.7 minutes on 2 cores, part of it shared with another
-job).
+runs at every eps (sized for one GPU; 12.6 minutes on 2 cores with the ``noise_diagnosis``
+rows).
 
 ``clip`` rows: the eps = 4 developer setting for each clip norm of ``clip_grid`` (same noise
 seeds; reading aid only, a release cannot tune C on its data), and ``top1_clipped_noise_free``,
@@ -326,13 +326,14 @@ def noise_diagnosis_rows(cfg: Config, devs, base_users, base_devs, acc, calibrat
     q, _ = np.linalg.qr(base_devs.T.astype(np.float64))
     u_span = (u @ q) @ q.T
     clean_norm = np.linalg.norm(base_devs, axis=1)
+    noise_energy = base_devs.shape[1] * (sigma * cfg.l2_clip / np.asarray(
+        [n for _, _, n, _, _ in devs], np.float64)) ** 2  # E|N / n|^2 per developer
     vals: dict[str, list[float]] = {"plain": [], "true_norm": [], "debiased_norm": [],
                                     "query_in_dev_span": []}
     for rep in range(cfg.repeats):
         noisy = np.stack([dp_vector(s_clip, n, sigma, cfg.l2_clip, _seed(rep, "dev", j))
                           for j, (s_clip, _, n, _, _) in enumerate(devs)]).astype(np.float64)
-        ns = np.asarray([n for _, _, n, _, _ in devs], np.float64)
-        energy = np.sum(noisy ** 2, axis=1) - noisy.shape[1] * (sigma * cfg.l2_clip / ns) ** 2
+        energy = np.sum(noisy ** 2, axis=1) - noise_energy
         debiased = np.sqrt(np.maximum(energy, 1e-2 * np.sum(noisy ** 2, axis=1)))
         vals["plain"].append(_top1(cosine_scores(u, noisy), acc)[0])  # = the main eps 4 row
         vals["true_norm"].append(_top1(u @ (noisy / clean_norm[:, None]).T, acc)[0])
