@@ -13,8 +13,11 @@ A release is a directory::
 Guarantees of :func:`save_release`: the directory appears complete or not at all (written into a
 temporary sibling, renamed at the end); the secret ``A``, PRNG keys, the PAC secret index and
 mechanism RNG state never enter it (refused by name and by dtype; release
-:func:`pavejax.lora.a_hash` instead); a ``"dp"`` guarantee never claims less epsilon than its own
-ledger gives; the writer's local paths do not appear in any file.
+:func:`pavejax.lora.a_hash` instead); nothing made from a caller-supplied (replayable) noise key
+is released; a ``"dp"`` guarantee never claims less epsilon than its own ledger gives, and is
+replace-one: a release states its dataset sizes (public, not protected), which add/remove
+neighbours differ in, so add/remove ledgers and figures are refused; the writer's local paths do
+not appear in any file.
 :func:`load_release` checks the content hash, the format version and the backbone before
 restoring, and restores onto any target structure and sharding (e.g. another mesh).
 
@@ -43,6 +46,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 import pavejax
+from pavejax._releasable import check_record, check_replace_one, check_tensor_names
 from pavejax.accounting import Ledger
 from pavejax.pave.types import PaveSpec, SpecMismatchError, SpecSignature
 
@@ -63,15 +67,6 @@ _FORMAT = "pavejax.release"
 _TENSORS, _METADATA, _HASH = "tensors", "metadata.json", "CONTENT_HASH"
 _HASH_DOMAIN = b"pavejax.release.content.v1\0"
 _HEX64 = re.compile(r"[0-9a-f]{64}")
-# Names that only a secret goes by: A itself (case-sensitive, "a" is too common), its key, the
-# PAC secret index and mechanism generator state. Matched per "/"- or "."-separated component.
-# Plain "key" is not among them: it is BERT's attention key projection (typed PRNG keys are
-# refused by dtype instead).
-_SECRET_EXACT = {"A"}
-_SECRET_NAMES = {"lora_a", "a_key", "prng_key", "rng_key", "key_data", "secret", "secret_key",
-                 "secret_index", "mechanism_rng", "rng_state"}
-
-
 class ReleaseError(ValueError):
     """A release cannot be written or read as asked (the message says what to change)."""
 
@@ -247,43 +242,16 @@ class ReleaseMetadata:
 # ------------------------------------------------------------------------------ secrets
 
 
-def _secret_name(name: str) -> bool:
-    parts = re.split(r"[/.]", name)
-    return any(p in _SECRET_EXACT or p.lower() in _SECRET_NAMES for p in parts)
-
-
-def _walk_keys(obj: Any, where: str) -> None:
-    if isinstance(obj, Mapping):
-        for k, v in obj.items():
-            if _secret_name(str(k)):
-                raise ReleaseError(
-                    f"{where} has an entry named {str(k)!r}: A, PRNG keys, the PAC secret index "
-                    f"and mechanism RNG state never enter a release. Drop it; to identify A, "
-                    f"release the a_hash instead (pavejax.lora.a_hash(A)).")
-            _walk_keys(v, f"{where}[{k!r}]")
-    elif isinstance(obj, list | tuple):
-        for i, v in enumerate(obj):
-            _walk_keys(v, f"{where}[{i}]")
-
-
 def _check_tensors(tensors: Any) -> None:
     flat = jax.tree_util.tree_flatten_with_path(tensors)[0]
     if not flat:
         raise ReleaseError("tensors is empty; a release holds at least one array")
+    check_tensor_names(tensors, "tensors", ReleaseError)
     for keypath, leaf in flat:
-        where = jax.tree_util.keystr(keypath)
-        for k in keypath:
-            name = getattr(k, "key", getattr(k, "name", None))
-            if isinstance(name, str) and _secret_name(name):
-                raise ReleaseError(
-                    f"tensors{where} is named like a secret ({name!r}): A and keys never enter "
-                    f"a release; release the a_hash instead (pavejax.lora.a_hash(A)).")
         if not isinstance(leaf, np.ndarray | np.generic | jax.Array):
-            raise ReleaseError(f"tensors{where} is a {type(leaf).__name__}; every leaf must be "
-                               f"an array (wrap scalars with np.asarray)")
-        if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
-            raise ReleaseError(f"tensors{where} is a PRNG key array: keys never enter a release "
-                               f"(they regenerate A and the noise); drop it")
+            raise ReleaseError(f"tensors{jax.tree_util.keystr(keypath)} is a "
+                               f"{type(leaf).__name__}; every leaf must be an array (wrap "
+                               f"scalars with np.asarray)")
 
 
 # ------------------------------------------------------------------------------ hashing
@@ -343,6 +311,7 @@ def _verify(root: Path) -> str:
 
 
 def _check_ledger_covers(meta: ReleaseMetadata) -> None:
+    check_replace_one(meta.ledger, meta.guarantee, "the release", ReleaseError)
     g = meta.guarantee
     if g["kind"] != "dp" or meta.ledger is None:
         return
@@ -384,7 +353,10 @@ def save_release(path: str | os.PathLike[str], tensors: Any, metadata: ReleaseMe
     Synchronous and atomic: the release is assembled in a temporary sibling directory and renamed
     into place when complete. Refuses secrets (entries named like ``A``, ``lora_A``, ``a_key``,
     ``secret``, ``secret_index``, ``mechanism_rng``, ... in the tensors or the metadata; PRNG key
-    arrays among the tensors) and a ``"dp"`` guarantee whose epsilon is below its ledger's.
+    arrays among the tensors), anything marked replayable (made from a caller-supplied noise
+    key; see :mod:`pavejax._releasable`), a ``"dp"`` guarantee whose epsilon is below its
+    ledger's, and add/remove figures (a release states its dataset size, which add/remove
+    neighbours differ in: every DP figure in a release is replace-one).
 
     Returns:
       The content hash (sha256 hex), also written to ``CONTENT_HASH``.
@@ -396,7 +368,7 @@ def save_release(path: str | os.PathLike[str], tensors: Any, metadata: ReleaseMe
                            "process 0 and call it there")
     _check_tensors(tensors)
     record = metadata.to_dict()
-    _walk_keys(record, "metadata")
+    check_record(record, "metadata", ReleaseError)
     _check_ledger_covers(metadata)
     path = Path(path).absolute()
     _check_destination(path, overwrite)

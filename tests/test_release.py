@@ -47,8 +47,9 @@ def _meta(**changes):
 
 
 def _dp_ledger():
-    ledger = Ledger("add_remove", accountant="rdp")
-    ledger.record(gaussian_step_event(1.5, q=0.1), count=20, label="dp-sgd")
+    # full-batch steps: replace-one RDP analyses them in milliseconds
+    ledger = Ledger("replace_one", accountant="rdp")
+    ledger.record(gaussian_step_event(6.0, q=1.0), count=20, label="dp-sgd")
     return ledger
 
 
@@ -95,9 +96,35 @@ def test_dp_spec_keeps_its_ledger_and_refuses_an_understated_epsilon(tmp_path):
         save_spec(tmp_path / "low", spec,
                   guarantee={"kind": "dp", "epsilon": 0.9 * eps, "delta": 1e-5})
     assert not (tmp_path / "low").exists()
-    with pytest.raises(ReleaseError, match="relation 'replace_one'"):
+    with pytest.raises(ReleaseError, match="relation 'replace-one'"):
         save_spec(tmp_path / "rel", spec, guarantee={"kind": "dp", "epsilon": eps, "delta": 1e-5,
-                                                     "relation": "replace_one"})
+                                                     "relation": "replace-one"})
+
+
+def test_add_remove_figures_are_refused_because_sizes_are_public(tmp_path):
+    """A release states its sizes (n, rates, counts), which add/remove neighbours differ in: no
+    add/remove ledger or figure may enter one, whichever way it is stated."""
+    ar = Ledger("add_remove", accountant="rdp")
+    ar.record(gaussian_step_event(1.5, q=0.1), count=20, label="dp-sgd")
+    eps = ar.epsilon(1e-5)
+    spec = _spec(mechanism="dp-s-pave", ledger=ar.to_dict(),
+                 guarantee={"kind": "dp", "epsilon": eps, "delta": 1e-5})
+    with pytest.raises(ReleaseError, match="add/remove neighbouring: releases state their "
+                                           "dataset sizes"):
+        save_spec(tmp_path / "ar", spec)
+    ro = _dp_ledger()
+    for extra in ({"relation": "add_remove"}, {"epsilon_add_remove": 0.5}):
+        g = {"kind": "dp", "epsilon": ro.epsilon(1e-5), "delta": 1e-5, **extra}
+        with pytest.raises(ReleaseError, match="add/remove figure"):
+            save_release(tmp_path / "g", {"w": np.ones(3, np.float32)},
+                         _meta(mechanism="dp-sgd", ledger=ro, guarantee=g))
+    assert not (tmp_path / "ar").exists() and not (tmp_path / "g").exists()
+    # a ledger of mutual-information charges only is relation-free and may be released
+    mi = Ledger("add_remove")
+    mi.record_mi(0.1)
+    save_release(tmp_path / "mi", {"w": np.ones(3, np.float32)},
+                 _meta(mechanism="paczero-mi", ledger=mi,
+                       guarantee={"kind": "pac_mi", "mutual_information_nats": 0.1}))
 
 
 def test_spec_needs_a_stated_guarantee(tmp_path):

@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Any
 import jax
 import numpy as np
 
+from pavejax._releasable import check_record, check_replace_one, check_tensor_names
 from pavejax.pave import search as search_lib
 from pavejax.pave._dock_io import (
     COLUMNS,
@@ -212,7 +213,11 @@ class Dock:
                metadata: Mapping[str, Any] | None = None) -> int:
         """Store a model-side ``spec`` (and optionally the model's params pytree) under the
         unique ``name``; returns its id. ``metadata`` is a JSON-safe dict (reuse reads its
-        ``"classes"``: the model's class names in output order). Atomic and crash-safe."""
+        ``"classes"``: the model's class names in output order). Atomic and crash-safe.
+
+        Refuses what :func:`pavejax.release.save_release` refuses: secrets by name (``A``,
+        ``lora_a``, keys, ...) in the model, the spec info or ``metadata``; PRNG key arrays;
+        specs made from a caller-supplied noise key (replayable); add/remove figures."""
         if not isinstance(spec, PaveSpec):
             raise TypeError(f"spec must be a PaveSpec, got {type(spec).__name__}")
         if spec.kind != "model":
@@ -225,7 +230,14 @@ class Dock:
         metadata = {} if metadata is None else metadata
         if not isinstance(metadata, Mapping):
             raise TypeError(f"metadata must be a dict, got {type(metadata).__name__}")
-        meta_json, info = to_json(dict(metadata), "metadata"), dict(spec.info)
+        info = dict(spec.info)
+        # the checks of save_release: a submitted learnware is published to every dock user
+        check_record(info, "the spec")
+        check_replace_one(info.get("ledger"), info.get("guarantee"), "the spec")
+        check_record(dict(metadata), "metadata")
+        if model is not None:
+            check_tensor_names(model, "model")
+        meta_json = to_json(dict(metadata), "metadata")
         model_tree, structure = (None, None) if model is None else model_to_tree(model)
         sig = spec.signature
         with transaction(self._conn):
