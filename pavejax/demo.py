@@ -23,12 +23,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "it are reused instead of retrained)")
     p.add_argument("--epsilon", type=float, default=d.dev_epsilon,
                    help="developers' DP-Merging budget: (epsilon, delta)-DP of each developer "
-                        "model with respect to adding or removing one of its training "
-                        "examples; smaller means more noise and stronger privacy")
+                        "model with respect to replacing one of its training examples "
+                        "(dataset sizes are public); smaller means more noise and stronger "
+                        "privacy")
     p.add_argument("--spec-epsilon", type=float, default=d.spec_epsilon,
                    help="DP-S-PAVE budget of each released spec: (epsilon, delta)-DP with "
-                        "respect to replacing one training example (the spec is also "
-                        "accounted under add/remove and composed with the model's budget)")
+                        "respect to replacing one training example (the report also composes "
+                        "it with the model's budget, replace-one)")
     p.add_argument("--delta", type=float, default=d.delta,
                    help="the delta of every (epsilon, delta) guarantee (keep it below 1/n)")
     p.add_argument("--user-task", default=d.user_task,

@@ -168,7 +168,8 @@ def train_developer(cfg: LifecycleConfig, task_name: str, noise_key: jax.Array |
     mcfg = mt.MergeTrainConfig(dataset_size=n, steps=cfg.dev_steps, mode=cfg.dev_mode,
                                target_epsilon=cfg.dev_epsilon, delta=cfg.delta,
                                l2_clip=cfg.dev_clip, batch_size=min(cfg.dev_batch, n),
-                               learning_rate=cfg.dev_lr)
+                               learning_rate=cfg.dev_lr, relation="replace_one",
+                               accountant="pld")
     params0 = head0(int(train["x"].shape[1]), classes)
     res = mt.train_task(example_loss, params0, None, train,
                         fresh_key() if noise_key is None else noise_key, mcfg)
@@ -233,18 +234,23 @@ def run_lifecycle(cfg: LifecycleConfig, log: Callable[[str], None] = print) -> d
               f"(epsilon {cfg.spec_epsilon})")
         spec = developer_spec(cfg, tb, a_key, params, classes, train, texts, name)
         g = spec.spec.info["guarantee"]
-        total = res.ledger.compose(spec.ledger_add_remove)
+        total = res.ledger.compose(spec.ledger)
         ledgers[f"developer/{name}"] = {
             "model": {"mechanism": f"DP-Merging (DP-SAM mode {cfg.dev_mode!r} + anchor)",
                       "epsilon": res.ledger.epsilon(cfg.delta), "delta": cfg.delta,
-                      "relation": "add_remove", "noise_multiplier": mcfg.sigma,
-                      "steps": cfg.dev_steps, "sampling_rate": mcfg.q},
+                      "relation": "replace_one", "noise_multiplier": mcfg.sigma,
+                      "steps": cfg.dev_steps, "sampling_rate": mcfg.q,
+                      "dataset_size": mcfg.dataset_size},
             "spec": {"mechanism": "DP-S-PAVE (one full-batch Gaussian step)",
-                     "epsilon": g["epsilon"], "epsilon_add_remove": g["epsilon_add_remove"],
-                     "delta": cfg.delta, "relation": "replace_one",
-                     "noise_multiplier": spec.spec.info["noise_multiplier"]},
-            "composed_add_remove": {"epsilon": total.epsilon(cfg.delta), "delta": cfg.delta,
-                                    "note": "model and spec on the same private data"}}
+                     "epsilon": g["epsilon"], "delta": cfg.delta, "relation": "replace_one",
+                     "noise_multiplier": spec.spec.info["noise_multiplier"],
+                     "num_examples": spec.spec.info["num_examples"]},
+            "composed": {"epsilon": total.epsilon(cfg.delta), "delta": cfg.delta,
+                         "relation": "replace_one",
+                         "note": "model and spec on the same private data (the spec examples "
+                                 "are training examples of the model)"},
+            "public": "dataset sizes and sampling rates are public and not protected; every "
+                      "figure is replace-one (neighbours of the same size)"}
         dock.submit(spec.spec, name=f"dev-{name}", model=jax.tree.map(np.asarray, params),
                     metadata={"classes": list(classes), "task": name,
                               "own_test_accuracy": acc, "ledger": ledgers[f"developer/{name}"]})

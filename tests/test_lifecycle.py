@@ -52,7 +52,9 @@ def test_quick_demo_writes_report_summary_and_ledgers(tmp_path):
         assert dev["model"]["epsilon"] <= cfg.dev_epsilon + 1e-6
         assert dev["spec"]["epsilon"] <= cfg.spec_epsilon + 1e-6
         # model and spec read the same data: the composition costs more than either alone
-        assert dev["composed_add_remove"]["epsilon"] > dev["model"]["epsilon"]
+        assert dev["composed"]["epsilon"] > dev["model"]["epsilon"]
+        assert dev["composed"]["relation"] == dev["model"]["relation"] == "replace_one"
+        assert "add_remove" not in json.dumps(dev)
     assert ledger["user/final_model"]["mutual_information_nats"] == 0.0
     report = (out / "report.md").read_text()
     assert "Dock ranking" in report and "Privacy ledger" in report

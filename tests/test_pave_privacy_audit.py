@@ -106,7 +106,8 @@ def test_sampler_reproduces_generate_spec_dp(toy, dp_sampler, dp_release):
     np.testing.assert_allclose(v[1], dp_release.spec.vector, rtol=0, atol=1e-6)
     assert np.abs(v[0] - v[1]).max() > 1e-3  # another seed: other noise
     ledger, ledger_ar = dp_sampler.ledgers(N)
-    assert ledger == dp_release.ledger and ledger_ar == dp_release.ledger_add_remove
+    assert ledger == dp_release.ledger and ledger_ar.relation.value == "add_remove"
+    assert ledger_ar.entries == ledger.entries  # the same releases, the game's other relation
     assert dp_sampler.noise_multiplier(N) == SIGMA
 
 
@@ -122,7 +123,7 @@ def test_sampler_reproduces_multistep_fixed_sampling_adam(toy):
                                res.spec.vector, rtol=0, atol=1e-6)
     claimed = res.spec.info["guarantee"]["epsilon"]
     ledger, ledger_ar = sampler.ledgers(N)
-    assert ledger == res.ledger and ledger_ar is None is res.ledger_add_remove
+    assert ledger == res.ledger and ledger_ar is None
     g = audit.spec_game(sampler, (toy["inputs"], toy["t_in"]), (toy["inputs"], toy["t_out"]),
                         toy["a_key"], runs=RUNS // 2, shadow_runs=RUNS // 4, delta=DELTA,
                         claimed_epsilon=claimed)
@@ -160,12 +161,58 @@ def test_audit_dp_s_pave_replace_one(toy, dp_sampler, dp_release):
     assert g.advantage <= risk.tv_bound(claimed, DELTA)
 
 
-def test_audit_dp_s_pave_add_remove(toy, dp_sampler, dp_release):
-    claimed = dp_release.spec.info["guarantee"]["epsilon_add_remove"]
+def test_audit_dp_s_pave_add_remove_with_fixed_normaliser(toy, dp_sampler, dp_release):
+    # The add/remove game of the fixed-size mechanism (the normaliser stays n): what the absent
+    # game plays. No release states this figure (see the next test for why).
+    assert "epsilon_add_remove" not in dp_release.spec.info["guarantee"]
+    claimed = dp_sampler.ledgers(N)[1].epsilon(DELTA)
     g = _game(toy, dp_sampler, claimed=claimed, world_out=(toy["inputs"], toy["t_in"]),
               absent_out=toy["absent"])
     assert g.epsilon_lower <= claimed
     assert g.epsilon_lower > 0.1
+
+
+def _gaussian_lr_scores(shadow_in, shadow_out, scored):
+    """Log-likelihood ratio of isotropic Gaussians fitted to the shadow releases of each world
+    (mean and one variance each): the test that sees both a mean and a noise-scale change."""
+    def loglik(x, shadow):
+        mu, var = shadow.mean(0), shadow.var(0).mean()
+        return -0.5 * ((x - mu) ** 2).sum(1) / var - 0.5 * x.shape[1] * np.log(var)
+    return loglik(scored, shadow_in) - loglik(scored, shadow_out)
+
+
+def test_full_batch_spec_reveals_its_size_so_no_add_remove_figure(toy):
+    """A full-batch spec divides by the real n, so add/remove neighbours (n = 5 vs 4) differ in
+    the noise scale and the mean of the released vector: a likelihood-ratio test on the vector
+    alone beats the add/remove epsilon that the fixed-normaliser analysis gives (what earlier
+    versions stored as ``epsilon_add_remove``). The release therefore states replace-one only,
+    names n as public, and every release path refuses an add/remove figure."""
+    cfg = _one_step(S.PrivacyConfig(l2_clip=1.0, noise_multiplier=2.0, sampling="full"))
+    rng = np.random.default_rng(1)  # a wider toy (spec dim 2 * 64 + 2 * 2) than the module's
+    params = {"l1": {"kernel": jnp.asarray(rng.normal(size=(D_IN, 64)) / math.sqrt(D_IN),
+                                           jnp.float32)},
+              "l2": {"kernel": jnp.asarray(rng.normal(size=(64, K)) / 8.0, jnp.float32)}}
+    wide = S.Backbone("toy-relu-mlp-64", params, S.backbone_hash(params))
+    sampler = audit.spec_sampler(_logits, wide, _predicate, cfg)
+    x, t = toy["inputs"]["x"], toy["t_in"]
+    d5, d4 = ({"x": x[:5]}, t[:5]), ({"x": x[:4]}, t[:4])
+    runs = 1000
+    shadow = [sampler(*d, np.arange(s, s + runs), toy["a_key"])
+              for d, s in ((d5, 0), (d4, 10**6))]
+    scored = [sampler(*d, np.arange(s, s + runs), toy["a_key"])
+              for d, s in ((d5, 2 * 10**6), (d4, 3 * 10**6))]
+    s_in, s_out = (_gaussian_lr_scores(shadow[0], shadow[1], v) for v in scored)
+    old_claim = sampler.ledgers(5)[1].epsilon(DELTA)  # the former epsilon_add_remove
+    assert 1.5 < old_claim < 3.0
+    lower = audit.epsilon_lower_bound(s_in, s_out, delta=DELTA)
+    print(f"add/remove n=5 vs 4: empirical epsilon >= {lower:.3f}, former claim {old_claim:.3f}")
+    assert lower > old_claim, f"the size leak went unseen: {lower} vs {old_claim}"
+    # what the release states instead
+    res = S.generate_spec(_logits, wide, _predicate, *d5, toy["a_key"], cfg)
+    g = res.spec.info["guarantee"]
+    assert g["relation"] == "replace_one" and "epsilon_add_remove" not in g
+    assert "n = 5" in g["public"] and res.spec.info["num_examples"] == 5
+    assert g["epsilon"] == pytest.approx(sampler.ledgers(5)[0].epsilon(DELTA))
 
 
 def _too_little_noise(priv):

@@ -153,6 +153,29 @@ def _halve_for_rdp(event: dp_event.DpEvent) -> dp_event.DpEvent:
         "relation='add_remove'")
 
 
+def _merge_gaussians_for_pld(event: dp_event.DpEvent) -> dp_event.DpEvent:
+    """Rewrites a composition of Gaussian queries into the one Gaussian it equals.
+
+    Gaussian queries of multipliers s_i on the same data (adaptively chosen or not) are exactly
+    as private as one Gaussian of multiplier (sum_i s_i^-2)^-1/2: both are mu-GDP with
+    mu^2 = sum_i s_i^-2, and N(0, 1) vs N(mu, 1) is a tight dominating pair of each. PLD analyses
+    a Poisson-sampled Gaussian but not a Poisson-sampled composition (DP-SAM's "same" mode)."""
+    if isinstance(event, dp_event.ComposedDpEvent) and event.events and all(
+            isinstance(e, dp_event.GaussianDpEvent) for e in event.events):
+        if any(e.noise_multiplier == 0 for e in event.events):
+            return dp_event.NonPrivateDpEvent()
+        return dp_event.GaussianDpEvent(
+            math.fsum(float(e.noise_multiplier) ** -2 for e in event.events) ** -0.5)
+    if isinstance(event, dp_event.PoissonSampledDpEvent):
+        return dp_event.PoissonSampledDpEvent(event.sampling_probability,
+                                              _merge_gaussians_for_pld(event.event))
+    if isinstance(event, dp_event.SelfComposedDpEvent):
+        return dp_event.SelfComposedDpEvent(_merge_gaussians_for_pld(event.event), event.count)
+    if isinstance(event, dp_event.ComposedDpEvent):
+        return dp_event.ComposedDpEvent([_merge_gaussians_for_pld(e) for e in event.events])
+    return event
+
+
 def _contains(event: dp_event.DpEvent, kind: type) -> bool:
     if isinstance(event, kind):
         return True
@@ -174,6 +197,8 @@ def _for_accountant(event: dp_event.DpEvent, relation: Relation,
             raise ValueError(_FIXED_PLD)
     if accountant == "rdp" and relation is Relation.REPLACE_ONE:
         return _halve_for_rdp(event)
+    if accountant == "pld":
+        return _merge_gaussians_for_pld(event)
     return event
 
 

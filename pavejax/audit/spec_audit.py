@@ -15,7 +15,10 @@ Neighbouring data sets for the distinguishing game:
   (the canary vs an ordinary example);
 * add/remove: the data set with the canary, and the same data set with ``absent`` marking the
   canary row, which then never enters a batch. The normaliser (the expected batch size) stays the
-  public ``q n`` of the full data set, which is the setting the accountant analyses.
+  public ``q n`` of the full data set: the add/remove game of a mechanism whose size is a fixed
+  public parameter. Real specs are not that mechanism (a spec on n - 1 rows divides by n - 1 and
+  records its size), which is why releases carry replace-one figures only; to measure what a
+  real spec reveals under add/remove, run the sampler on the two data sets themselves.
 
 Scores turn releases into one number per run (higher = "canary present"):
 :func:`projection_scores` (the likelihood-ratio test of a Gaussian mean shift when the direction
@@ -126,9 +129,13 @@ class SpecSampler:
         return self._dp(n)[1]
 
     def ledgers(self, n: int) -> tuple[Ledger, Ledger | None]:
-        """(replace-one, add/remove) ledgers of one release on n rows, as ``generate_spec``
-        records them: the claimed privacy of the audited mechanism. The add/remove ledger is
-        None under fixed-size sampling (analysed under replace-one only)."""
+        """(replace-one, add/remove) ledgers of one release on n rows. The replace-one ledger
+        is the one ``generate_spec`` records: the claimed privacy of the audited mechanism.
+        The add/remove ledger holds the same events: it is the claim of the add/remove game
+        this sampler plays (``absent`` rows, normaliser and rate still those of n rows, as if
+        n were a fixed public parameter), *not* a figure any release carries: a real spec on
+        n - 1 rows divides by n - 1, and its size is published, so releases state replace-one
+        only. It is None under fixed-size sampling (analysed under replace-one only)."""
         self._require_private()
         sampling, _, dp = self._dp(n)
         priv = self.config.privacy

@@ -16,22 +16,31 @@ from pathlib import Path
 from pavejax.commands import _shared as sh
 
 MECHANISMS = {
-    "zpl": "PACZero-ZPL: zero mutual information between the secret subset and everything "
-           "released (certified PAC privacy; membership posterior stays at the prior 1/2)",
-    "mi": "PACZero-MI: at most --mi-budget nats of mutual information (chain rule over steps)",
+    "zpl": "PACZero-ZPL: zero mutual information between the secret candidate subset and "
+           "everything released (certified PAC privacy: an example's membership posterior stays "
+           "at the prior 1/2); the pool's content itself is not protected",
+    "mi": "PACZero-MI: at most --mi-budget nats of mutual information between the secret "
+          "candidate subset and the releases (chain rule over steps)",
     "mezo": "MeZO: exact pool-mean directional derivatives, NOT private (baseline)",
     "dpzo": "DP-ZO: Gaussian noise on the clipped sum of per-example differences, Poisson "
-            "sampling; (--epsilon, --delta)-DP for one pool example added or removed",
+            "sampling; (--epsilon, --delta)-DP for one pool example replaced (the pool size is "
+            "public)",
 }
 
 DESCRIPTION = (
     "Adapt a model release on the private training split of TASK with zeroth-order steps and "
-    "write a model release with the ledger of this adaptation. Privacy: what is protected is "
-    "the pool (the training split of TASK) from anyone who sees the release and every update "
-    "along the way. PACZero's PAC guarantee bounds the mutual information (nats) between the "
-    "secret candidate subset of the pool and the releases; every pool example is in half of "
-    "the subsets (membership prior 1/2), and the mutual information bounds any membership "
-    "attack's posterior success. The dev split used for model selection and the test split "
+    "write a model release with the ledger of this adaptation. Privacy (zpl, mi): PACZero "
+    "protects each pool example's membership in a secret candidate subset, not the pool's "
+    "content. The pool (the training split of TASK) is split into M candidate subsets, each "
+    "example in exactly half of them; one subset is drawn in secret and the releases depend on "
+    "it only through what the guarantee allows. The PAC guarantee bounds the mutual "
+    "information (nats) between that secret subset and the release plus every update along "
+    "the way, against an adversary assumed to know the whole pool and the subsets: whether a "
+    "given example was in the secret subset (prior 1/2) stays hidden up to the posterior "
+    "bound. ZPL's unanimous signs are a deterministic function of the whole pool, so what the "
+    "pool contains is NOT protected. dpzo instead is (epsilon, delta)-DP for one pool example "
+    "replaced (the pool size is public). The dev split used for model selection and the test "
+    "split "
     "used for the reported accuracy are read without noise and are not covered. The input "
     "model's own guarantee (on its developers' data) is copied into the release as upstream. "
     "The membership matrix, secret index and mechanism generator are seeded from the OS and "
@@ -52,8 +61,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "and all releases (e.g. 0.33 matches epsilon = 2 at the "
                         "membership-inference level)")
     p.add_argument("--epsilon", type=sh.positive_float, default=None,
-                   help="dpzo: the run is (epsilon, --delta)-DP for one pool example added or "
-                        "removed (noise calibrated by the RDP accountant)")
+                   help="dpzo: the run is (epsilon, --delta)-DP for one pool example replaced "
+                        "(the pool size is public; noise calibrated by the PLD accountant)")
     p.add_argument("--delta", type=float, default=1e-5, help="dpzo: " + sh.DELTA_HELP)
     p.add_argument("--steps", type=sh.positive_int, default=300, help="zeroth-order steps")
     p.add_argument("--lr", type=sh.positive_float, default=1e-2, help="initial learning rate")
@@ -109,6 +118,8 @@ def _guarantee(ns, zcfg, ledger, n: int, task: str) -> tuple[dict, dict]:
     from pavejax.accounting import pac
 
     pool = f"each example of the private pool ({n} training examples of task {task!r})"
+    membership = (f"each pool example's membership in the secret candidate subset (pool: {n} "
+                  f"training examples of task {task!r}); the pool's content is not protected")
     kept = ["membership matrix, secret subset index and mechanism generator seeded from the "
             "OS, never released", "the dev split used for selection lies outside the pool"]
     if ns.mechanism == "mezo":
@@ -122,8 +133,9 @@ def _guarantee(ns, zcfg, ledger, n: int, task: str) -> tuple[dict, dict]:
     mi = ledger.mutual_information()
     post = pac.mia_posterior_bound(mi, 0.5)
     g = {"kind": "pac_mi", "mutual_information_nats": mi, "membership_prior": 0.5,
-         "mia_posterior_bound": post, "num_subsets": zcfg.num_subsets, "protects": pool,
-         "against": "anyone who sees this release and every update of the run",
+         "mia_posterior_bound": post, "num_subsets": zcfg.num_subsets, "protects": membership,
+         "against": "anyone who sees this release and every update of the run, assumed to "
+                    "know the whole pool and the candidate subsets",
          "conditions": kept + ["each pool example is in exactly half of the candidate subsets"]}
     return g, {"mutual_information_nats": mi, "mia_posterior_bound": post,
                "epsilon_at_same_mia_level": pac.mi_to_epsilon(mi, ns.delta),
@@ -200,10 +212,13 @@ def run(ns: argparse.Namespace) -> int:
                "steps": state.step, "test_accuracy_before": before, "test_accuracy": after,
                "guarantee": guarantee}
     if guarantee["kind"] == "pac_mi":
-        what = (f"PAC: {guarantee['mutual_information_nats']:.4g} nats of mutual information; "
-                f"membership posterior <= {guarantee['mia_posterior_bound']:.4f} (prior 0.5)")
+        what = (f"PAC: {guarantee['mutual_information_nats']:.4g} nats of mutual information "
+                f"with the secret candidate subset; an example's membership posterior <= "
+                f"{guarantee['mia_posterior_bound']:.4f} (prior 0.5); the pool's content is "
+                f"not protected")
     elif guarantee["kind"] == "dp":
-        what = f"dp epsilon={guarantee['epsilon']:.4g} at delta={ns.delta:g} (add/remove)"
+        what = (f"dp epsilon={guarantee['epsilon']:.4g} at delta={ns.delta:g} (replace one "
+                f"pool example; the pool size is public)")
     else:
         what = "none (not private)"
     sh.emit(ns, summary, [

@@ -13,8 +13,9 @@ DESCRIPTION = (
     "Verify a release (content hash, format) and print its metadata, its guarantee with its "
     "conditions, the epsilon its ledger gives at --delta under both accountants (RDP and PLD), "
     "mutual-information charges, and the disclosure/amplification risk bounds. Epsilons are "
-    "for the neighbouring relation the ledger records (add/remove or replace-one of one "
-    "private example) and protect that example from anyone who sees the release; a "
+    "for the neighbouring relation the ledger records (replace-one of one private example for "
+    "every release this version writes: a release states its dataset sizes, which are public) "
+    "and protect that example from anyone who sees the release; a "
     "'sketch_rdp' guarantee is conditional, a 'pac_mi' guarantee bounds mutual information "
     "(nats) instead of epsilon.")
 
@@ -84,8 +85,6 @@ def _lines(path: Path, digest: str, r: dict[str, Any]) -> list[str]:
     if g.get("kind") == "dp":
         lines.append(f"  epsilon {_fmt(g['epsilon'])} at delta {g['delta']:g}, relation "
                      f"{g.get('relation', '?')}, accountant {g.get('accountant', '?')}")
-        if "epsilon_add_remove" in g:
-            lines.append(f"  epsilon (add/remove) {_fmt(g['epsilon_add_remove'])}")
         if "epsilon_if_disjoint" in g:
             lines.append(f"  epsilon if the sources' data are disjoint "
                          f"{_fmt(g['epsilon_if_disjoint'])}")
@@ -100,8 +99,8 @@ def _lines(path: Path, digest: str, r: dict[str, Any]) -> list[str]:
         lines.append(f"  condition: {c}")
     if "composed_with_model" in r:
         c = r["composed_with_model"]
-        lines.append(f"  with its model (same data): epsilon {_fmt(c['epsilon_add_remove'])} at "
-                     f"delta {c['delta']:g}, add/remove")
+        lines.append(f"  with its model (same data): epsilon {_fmt(c['epsilon'])} at "
+                     f"delta {c['delta']:g}, {c.get('relation', 'replace_one')}")
     led = r["ledger"]
     if led is None:
         lines.append("ledger: none (a non-private release)")

@@ -43,7 +43,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--epsilon", type=sh.positive_float, default=None,
                    help="DP-S-PAVE budget: the spec is (epsilon, --delta)-DP with respect to "
                         "replacing one example of the spec data (the model's training inputs "
-                        "or the user's shots); noise calibrated by the RDP accountant. "
+                        "or the user's shots; their number is public); noise calibrated by the "
+                        "RDP accountant. "
                         "Default: 4 on the model side, none (non-private) on the user side")
     p.add_argument("--delta", type=float, default=1e-5, help=sh.DELTA_HELP)
     p.add_argument("--clip", type=sh.positive_float, default=0.05,
@@ -174,8 +175,8 @@ def _model_side(ns, config, a_key, layers):
                         task=task_name)
     facts = {"task": task_name, "num_examples": len(texts), "classes": list(model.classes),
              "model_content_hash": _content_hash(ns.model)}
-    if same and model.meta.guarantee.get("kind") == "dp" and res.ledger_add_remove is not None:
-        facts["composed_with_model"] = _composed(model.meta, res.ledger_add_remove)
+    if same and model.meta.guarantee.get("kind") == "dp" and res.ledger is not None:
+        facts["composed_with_model"] = _composed(model.meta, res.ledger)
     return res, facts, seq_len
 
 
@@ -184,10 +185,15 @@ def _composed(model_meta, spec_ledger) -> dict:
     from pavejax.accounting import Ledger
 
     delta = float(model_meta.guarantee["delta"])
-    total = Ledger.from_dict(model_meta.ledger).compose(spec_ledger)
-    return {"epsilon_add_remove": total.epsilon(delta), "delta": delta,
+    model_ledger = Ledger.from_dict(model_meta.ledger)
+    if model_ledger.relation is not spec_ledger.relation:
+        raise ValueError(f"the model release accounts {model_ledger.relation.value} "
+                         f"neighbouring and the spec replace-one, so their composition has no "
+                         f"valid figure; retrain the model with this pavejax (replace-one)")
+    total = model_ledger.compose(spec_ledger)
+    return {"epsilon": total.epsilon(delta), "delta": delta, "relation": "replace_one",
             "note": "the spec data are training examples of the model; for them the model and "
-                    "the spec together are (epsilon_add_remove, delta)-DP (add/remove)"}
+                    "the spec together are (epsilon, delta)-DP (replace one example)"}
 
 
 def _user_side(ns, config, a_key, layers):

@@ -16,8 +16,10 @@ from pavejax.commands import _shared as sh
 DESCRIPTION = (
     "Fine-tune a task model with DP-Merging (DP sharpness-aware steps + anchor to the public "
     "start) and write a model release with its ledger, guarantee and risk bounds. Privacy: the "
-    "release is (epsilon, delta)-differentially private with respect to adding or removing one "
-    "training example of TASK (add/remove neighbouring), against anyone who sees the release. "
+    "release is (epsilon, delta)-differentially private with respect to replacing one "
+    "training example of TASK (replace-one neighbouring), against anyone who sees the release. "
+    "The number of training examples and the sampling rate are public (the release states "
+    "them) and not protected; that is why the figure is replace-one, not add/remove. "
     "The test split, used only to report accuracy, is read without noise and is not covered. "
     + sh.NOISE_SECRET)
 
@@ -38,7 +40,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--epsilon", type=sh.positive_float, required=True,
                    help="privacy budget: the noise is calibrated so that the whole run, every "
                         "SAM query included, is (epsilon, --delta)-DP for one training example "
-                        "added or removed (RDP accountant). Smaller is more private. 'inf' "
+                        "replaced (PLD accountant). Smaller is more private. 'inf' "
                         "trains without noise and releases with guarantee 'none'")
     p.add_argument("--delta", type=float, default=1e-5, help=sh.DELTA_HELP)
     p.add_argument("--mode", choices=tuple(_MODE_HELP), default="same",
@@ -67,8 +69,8 @@ def run(ns: argparse.Namespace) -> int:
                               dev_epsilon=ns.epsilon, delta=ns.delta, dev_steps=ns.steps,
                               dev_batch=ns.batch_size, dev_mode=ns.mode, dev_lr=ns.lr,
                               dev_clip=ns.clip, seed=ns.seed)
-    # train_developer keys its noise with seed * 1000 + index: a fresh secret index makes the
-    # key unguessable (the split seed stays public and reproducible).
+    # train_developer draws its noise and sampling key fresh from the OS (never recorded); the
+    # split seed stays public and reproducible.
     params, classes, train, _, acc, res, mcfg = train_developer(cfg, ns.task)
     n = int(train["y"].shape[0])
     mechanism = f"dp-merging (DP-SAM mode {ns.mode!r} + anchor {mcfg.anchor})"
@@ -83,6 +85,7 @@ def run(ns: argparse.Namespace) -> int:
                 "noise and Poisson-sampling keys fresh and secret (never released)",
                 f"per-example gradients clipped jointly to C = {ns.clip}",
                 "normalised by the expected batch size; every SAM ascent query accounted",
+                f"the number of training examples ({n}) and the sampling rate are public",
                 "the public initial head and anchor use no private data"],
             not_covered="the test split behind the reported accuracy (read without noise)")
         risk = sh.risk_record(guarantee["epsilon"], ns.delta)
@@ -106,7 +109,7 @@ def run(ns: argparse.Namespace) -> int:
         f"trained {ns.task!r} ({n} private examples, {ns.steps} steps, mode {ns.mode!r}, "
         f"noise multiplier {mcfg.sigma:.4g})",
         f"test accuracy: {acc:.4f}",
-        f"guarantee: {guarantee['kind']} epsilon={eps:.4g} at delta={ns.delta:g} (add/remove "
-        f"one training example)",
+        f"guarantee: {guarantee['kind']} epsilon={eps:.4g} at delta={ns.delta:g} (replace one "
+        f"training example; the {n} examples' count is public)",
         f"model release: {ns.out} (content hash {digest})"])
     return 0

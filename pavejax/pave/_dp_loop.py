@@ -27,23 +27,17 @@ class LoopResult(NamedTuple):
     B: dict[str, jax.Array]
     opt_state: Any
     ledger: Ledger
-    ledger_add_remove: Ledger | None
     losses: list[float]
-
-
-def _with_relation(ledger: Ledger, relation: str) -> Ledger:
-    # Same releases, other neighbouring relation (the add/remove view of a replace-one run).
-    return Ledger.from_dict({**ledger.to_dict(), "relation": relation})
 
 
 def run_dp_steps(dp_grad: DPGradient, apply: Callable, B: dict, opt_state: Any, frozen: PyTree,
                  data: Mapping[str, jax.Array], key: jax.Array | None, steps: int, *,
-                 accountant: str, add_remove: bool, checkpointer: TrainCheckpointer | None,
+                 accountant: str, checkpointer: TrainCheckpointer | None,
                  run: dict[str, Any], desc: str, progress: bool) -> LoopResult:
     """Runs DP-S-PAVE steps ``0 .. steps-1`` (or the remaining ones after a checkpoint).
 
     ``apply(B, grad, opt_state) -> (B, opt_state)`` is the post-processing update. The ledger is
-    under replace-one; the add/remove ledger (when ``add_remove``) holds the same events.
+    under replace-one: the release states its dataset size, so no add/remove figure would hold.
     ``key`` None: a fresh OS-random key, or the checkpoint's key when resuming.
     """
     ledger, losses, start, budget = Ledger("replace_one", accountant=accountant), [], 0, None
@@ -84,5 +78,4 @@ def run_dp_steps(dp_grad: DPGradient, apply: Callable, B: dict, opt_state: Any, 
         if checkpointer is not None and checkpointer.should_save(step + 1, step + 1 == steps):
             checkpointer.save(Checkpoint(step + 1, {"B": B, "opt_state": opt_state}, key, ledger,
                                          run, {"losses": losses}, budget))
-    ar = _with_relation(ledger, "add_remove") if add_remove else None
-    return LoopResult(B, opt_state, ledger, ar, losses)
+    return LoopResult(B, opt_state, ledger, losses)

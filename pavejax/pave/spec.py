@@ -23,11 +23,16 @@ Two mechanisms share one code path (:func:`generate_spec`):
   sampling, normalisation by the expected batch size, then the optimiser (post-processing).
   Guarantee: (epsilon, delta)-DP of the released ``B`` (and everything computed from it:
   cosines, rankings, merged or reused models) with respect to replacing one example of the
-  spec data (sensitivity ``2C``, Theorem 3.9), accounted by dp-accounting over the ``T`` steps;
-  the add/remove epsilon is reported too. ``target_epsilon`` calibrates ``sigma``.
+  spec data (sensitivity ``2C``, Theorem 3.9), accounted by dp-accounting over the ``T`` steps.
+  ``target_epsilon`` calibrates ``sigma``. The number of spec examples n is public: the spec
+  records it, and Poisson's rate ``b / n`` and full batches' normaliser ``n`` reveal it anyway.
+  That is why no add/remove figure is given: add/remove neighbours differ exactly in n (a
+  full-batch spec divides by the real n, so its noise scale and mean tell n and n + 1 apart).
 
 Sharp edges: ``A`` must be the dock's secret (from its key); never release ``A`` or the key
-(:attr:`SpecResult.A` exists so the caller can merge or audit locally). Per-layer clipping is
+(:attr:`SpecResult.A` exists so the caller can merge or audit locally). A spec made with a
+caller-supplied ``noise_key`` is marked ``replayable`` and every release and submit path refuses
+it (whoever knows the key subtracts the noise). Per-layer clipping is
 offered for comparison with the paper's pseudo-code; its sensitivity is ``C sqrt(L)`` and is
 accounted as such.
 """
@@ -48,6 +53,7 @@ import optax
 from tqdm.auto import tqdm
 
 from pavejax import lora
+from pavejax._releasable import REPLAYABLE
 from pavejax.accounting import Ledger, calibrate_noise
 from pavejax.checkpointing import TrainCheckpointer, run_record
 from pavejax.optim import promotion_safe
@@ -276,7 +282,6 @@ class SpecResult(NamedTuple):
     B: dict[str, jax.Array]
     A: dict[str, jax.Array]
     ledger: Ledger | None
-    ledger_add_remove: Ledger | None
     losses: np.ndarray
     trajectory_independent_of_A: bool
 
@@ -418,7 +423,8 @@ def generate_spec(logits_fn: LogitsFn, backbone: Backbone, predicate: lora.Predi
       noise_key: DP-S-PAVE only: the PRNG key of the sampling and the noise. Leave it None: a
         fresh key is then drawn from the operating system and never recorded (a resumed run
         takes the key from its checkpoint). Pass one only to replay a run in a test or an
-        audit: whoever knows the key can regenerate the noise and subtract it.
+        audit: whoever knows the key can regenerate the noise and subtract it, so the spec is
+        marked ``info["replayable"] = True`` and ``save_spec``/``Dock.submit`` refuse it.
 
     Returns a :class:`SpecResult`. Raises ``ValueError`` on empty/NaN data and on training that
     diverges (a NaN spec is never returned).
@@ -441,7 +447,7 @@ def generate_spec(logits_fn: LogitsFn, backbone: Backbone, predicate: lora.Predi
     opt_state = opt.init(B)
     desc = f"{kind} spec" + (" (DP-S-PAVE)" if config.privacy else "")
     losses = []
-    ledger = ledger_ar = None
+    ledger = None
     if config.privacy is None:
         bar = tqdm(range(config.steps), desc=desc, disable=not config.progress or None,
                    leave=False)
@@ -470,11 +476,9 @@ def generate_spec(logits_fn: LogitsFn, backbone: Backbone, predicate: lora.Predi
                          kind=kind, num_examples=n, backbone=backbone.hash, a_hash=lora.a_hash(A))
         out = run_dp_steps(dp_grad, lambda b, g, s: _apply(b, g, s, opt, config), B, opt_state,
                            frozen, data, noise_key, config.steps, accountant=priv.accountant,
-                           # fixed-size sampling without replacement is analysed under
-                           # replace-one only
-                           add_remove=sampling.kind != "fixed", checkpointer=checkpointer,
-                           run=run, desc=desc, progress=config.progress)
-        B, ledger, ledger_ar, losses = out.B, out.ledger, out.ledger_add_remove, out.losses
+                           checkpointer=checkpointer, run=run, desc=desc,
+                           progress=config.progress)
+        B, ledger, losses = out.B, out.ledger, out.losses
         key_origin = ("supplied by the caller (replayable: not for release)"
                       if noise_key is not None else
                       "fresh from the operating system, never recorded")
@@ -487,15 +491,16 @@ def generate_spec(logits_fn: LogitsFn, backbone: Backbone, predicate: lora.Predi
                "num_examples": n, "num_classes": int(np.shape(targets)[1]),
                "config": _config_record(config)}
     if config.privacy is not None:
-        record |= _privacy_record(config, sampling, sigma, ledger, ledger_ar)
+        record |= _privacy_record(config, sampling, sigma, ledger, n)
         record["noise_key"] = key_origin
+        record[REPLAYABLE] = noise_key is not None
     else:
         record |= {"mechanism": "pave", "guarantee": {
             "kind": "none", "trajectory_independent_of_A": independent,
             "note": "non-private spec; the intrinsic sketch analysis needs a secret A and a "
                     "trajectory that does not depend on A"}}
     spec = PaveSpec(vec, spec_signature(backbone, B, A, config), kind, record)
-    return SpecResult(spec, B, A, ledger, ledger_ar, np.asarray(losses), independent)
+    return SpecResult(spec, B, A, ledger, np.asarray(losses), independent)
 
 
 def _example_losses(logits_fn: LogitsFn, lcfg: lora.LoraConfig, b: dict, frozen: tuple,
@@ -608,16 +613,21 @@ def _config_record(config: SpecConfig) -> dict[str, Any]:
 
 
 def _privacy_record(config: SpecConfig, sampling: SamplingConfig, sigma: float,
-                    ledger: Ledger, ledger_ar: Ledger | None) -> dict[str, Any]:
+                    ledger: Ledger, n: int) -> dict[str, Any]:
     priv = config.privacy
     eps = ledger.epsilon(priv.delta)
     return {"mechanism": "dp-s-pave", "noise_multiplier": sigma, "sampling_rate": sampling.q,
             "ledger": ledger.to_dict(),
             "guarantee": {"kind": "dp", "relation": "replace_one", "epsilon": eps,
-                          "delta": priv.delta, "epsilon_add_remove":
-                              None if ledger_ar is None else ledger_ar.epsilon(priv.delta),
-                          "accountant": priv.accountant, "clipping": priv.clipping,
+                          "delta": priv.delta, "accountant": priv.accountant,
+                          "clipping": priv.clipping,
+                          "public": f"the number of spec examples (n = {n}) and the sampling "
+                                    f"rate are public and not protected; the relation is "
+                                    f"replace-one because add/remove neighbours differ in n",
                           "conditions": ["A and its key are never released",
+                                         "the noise key is fresh and secret (a spec made from "
+                                         "a caller-supplied key is replayable and refused by "
+                                         "every release path)",
                                          "per-example gradients of B clipped jointly to C"
                                          if priv.clipping == "joint" else
                                          "per-layer clipping, sensitivity C*sqrt(L) accounted"]}}
