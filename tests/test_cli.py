@@ -60,15 +60,16 @@ def _flat(text: str) -> str:
 # --- help -------------------------------------------------------------------------------------
 
 HELP_PHRASES = {
-    "train": ["adding or removing one training example", "delta", "against anyone who sees",
+    "train": ["replacing one training example", "are public", "delta", "against anyone who sees",
               "--epsilon", "not covered", "never written"],
     "spec": ["replacing one spec example", "replace-one", "delta", "not private",
              "a key is read from the dock and never written", "against everyone"],
     "merge": ["post-processing", "disjoint", "parallel composition", "same neighbouring "
               "relation", "delta"],
-    "adapt": ["mutual information", "membership prior 1/2", "what is protected is the pool",
-              "dev split", "(--epsilon, --delta)-dp for one pool example added or removed"],
-    "ledger": ["neighbouring relation", "add/remove or replace-one", "delta", "conditional",
+    "adapt": ["mutual information", "prior 1/2", "membership in a secret candidate subset",
+              "not the pool's content", "assumed to know the whole pool", "dev split",
+              "(--epsilon, --delta)-dp for one pool example replaced"],
+    "ledger": ["neighbouring relation", "replace-one", "dataset sizes", "delta", "conditional",
                "nats"],
     "audit": ["neighbouring", "delta", "claimed epsilon", "audit fixture",
               "must never be used", "exit status 3"],
@@ -185,11 +186,23 @@ def _rdp_epsilon(events, delta: float) -> float:
     return acc.get_epsilon(delta)
 
 
+def _pld_replace_one_epsilon(events, delta: float) -> float:
+    import dp_accounting as dpa
+
+    acc = dpa.pld.PLDAccountant(dpa.NeighboringRelation.REPLACE_ONE,
+                                value_discretization_interval=1e-4)
+    for e in events:
+        acc.compose(e)
+    return acc.get_epsilon(delta)
+
+
 def _dp_sam_same_event(meta) -> dp_event.DpEvent:
-    # "same" mode: one Poisson draw feeds the ascent and the descent query (DP-Merging paper)
+    # "same" mode: one Poisson draw feeds the ascent and the descent query (DP-Merging paper);
+    # two Gaussian queries of multiplier z on one batch are one Gaussian of multiplier z / sqrt 2
+    # (mu-GDP composition), the form dp-accounting's PLD analyses under Poisson sampling
     h = meta.hyperparameters
-    g = dp_event.GaussianDpEvent(h["noise_multiplier"])
-    step = dp_event.PoissonSampledDpEvent(h["sampling_rate"], dp_event.ComposedDpEvent([g, g]))
+    g = dp_event.GaussianDpEvent(h["noise_multiplier"] / math.sqrt(2))
+    step = dp_event.PoissonSampledDpEvent(h["sampling_rate"], g)
     return dp_event.SelfComposedDpEvent(step, h["steps"])
 
 
@@ -199,10 +212,12 @@ def test_train_writes_a_dp_model_release(work, models):
     assert meta.kind == "model" and meta.extra["classes"] == ["negative", "positive"]
     assert tensors["kernel"].shape == (384, 2) and tensors["bias"].shape == (2,)
     g = meta.guarantee
-    assert g["kind"] == "dp" and g["relation"] == "add_remove" and g["delta"] == DELTA
+    # the release states its size, so its figure is replace-one (add/remove would be void)
+    assert g["kind"] == "dp" and g["relation"] == "replace_one" and g["delta"] == DELTA
+    assert g["accountant"] == "pld" and meta.extra["data"]["num_train"] == 48
     assert meta.hyperparameters["sampling_rate"] == pytest.approx(8 / 48)
-    # the claimed epsilon is dp-accounting's RDP epsilon of the composed "same" event
-    independent = _rdp_epsilon([_dp_sam_same_event(meta)], DELTA)
+    # the claimed epsilon is dp-accounting's replace-one PLD epsilon of the "same" event
+    independent = _pld_replace_one_epsilon([_dp_sam_same_event(meta)], DELTA)
     assert g["epsilon"] == pytest.approx(independent, rel=1e-6)
     assert 3.9 < g["epsilon"] <= 4.0 + 1e-6  # calibrated to the target
     assert meta.risk["tv_bound"] == pytest.approx(
@@ -247,11 +262,15 @@ def test_spec_model_and_user_side_in_the_dock_space(work, dock):
     assert g["epsilon"] == pytest.approx(
         _rdp_epsilon([dp_event.GaussianDpEvent(sigma / 2)], DELTA), rel=1e-6)
     assert g["epsilon"] <= 4.0 + 1e-6 and specs["m1"]["num_examples"] == 16
-    # the spec data are the model's training examples: model and spec compose (add/remove,
-    # where the spec is a Gaussian of noise multiplier sigma)
+    assert "epsilon_add_remove" not in g and "n = 16" in g["public"]
+    # the spec data are the model's training examples: model and spec compose (replace-one,
+    # the model's PLD accountant; the spec is a Gaussian of noise multiplier sigma)
     _, model_meta = _release(work / "m1")
-    both = _rdp_epsilon([_dp_sam_same_event(model_meta), dp_event.GaussianDpEvent(sigma)], DELTA)
-    assert spec.info["composed_with_model"]["epsilon_add_remove"] == pytest.approx(both, rel=1e-6)
+    both = _pld_replace_one_epsilon([_dp_sam_same_event(model_meta),
+                                     dp_event.GaussianDpEvent(sigma)], DELTA)
+    composed = spec.info["composed_with_model"]
+    assert composed["relation"] == "replace_one" and "epsilon_add_remove" not in composed
+    assert composed["epsilon"] == pytest.approx(both, rel=1e-6)
     assert spec.info["noise_key"].startswith("fresh")  # the noise key is secret, never recorded
     user = load_spec(work / "s_user")
     assert user.kind == "user" and user.info["guarantee"]["kind"] == "none"
@@ -306,7 +325,7 @@ def test_merge_weight_average_and_composed_ledger(work, merged):
     assert meta.kind == "merged_model" and meta.extra["classes"] == ["negative", "positive"]
     g = meta.guarantee
     assert g["kind"] == "dp" and len(g["per_source"]) == 2
-    both = _rdp_epsilon([_dp_sam_same_event(meta1), _dp_sam_same_event(_release(
+    both = _pld_replace_one_epsilon([_dp_sam_same_event(meta1), _dp_sam_same_event(_release(
         work / "m2")[1])], DELTA)
     assert g["epsilon"] == pytest.approx(both, rel=1e-6)
     assert g["epsilon_if_disjoint"] == pytest.approx(meta1.guarantee["epsilon"], rel=1e-6)
@@ -327,6 +346,9 @@ def test_adapt_zpl_and_mi_ledgers(work, merged, adapted):
     g = meta.guarantee
     assert g["kind"] == "pac_mi" and g["mutual_information_nats"] == 0.0
     assert g["mia_posterior_bound"] == 0.5  # zero information: the prior
+    # what is protected: membership in the secret subset; the pool's content is not
+    assert "membership in the secret candidate subset" in g["protects"]
+    assert "content is not protected" in g["protects"] and "know the whole pool" in g["against"]
     assert meta.ledger["mi_entries"][0]["count"] == 6 and meta.ledger["entries"] == []
     assert meta.extra["upstream"]["guarantee"] == _release(work / "merged")[1].guarantee
     _, meta = _release(work / "a_mi")
@@ -340,12 +362,13 @@ def test_adapt_zpl_and_mi_ledgers(work, merged, adapted):
     assert meta.guarantee["kind"] == "none" and meta.ledger is None
     _, meta = _release(work / "a_dpzo")
     g, h = meta.guarantee, meta.hyperparameters
-    assert g["kind"] == "dp" and g["relation"] == "add_remove" and 2.9 < g["epsilon"] <= 3.0 + 1e-6
-    # 6 Poisson-subsampled Gaussian releases at q = 8/32 (RDP, dp-accounting directly)
+    assert g["kind"] == "dp" and g["relation"] == "replace_one" and \
+        2.9 < g["epsilon"] <= 3.0 + 1e-6
+    # 6 Poisson-subsampled Gaussian releases at q = 8/32 (replace-one PLD, dp-accounting)
     step = dp_event.PoissonSampledDpEvent(8 / 32, dp_event.GaussianDpEvent(
         h["dp_noise_multiplier"]))
     assert g["epsilon"] == pytest.approx(
-        _rdp_epsilon([dp_event.SelfComposedDpEvent(step, 6)], DELTA), rel=1e-6)
+        _pld_replace_one_epsilon([dp_event.SelfComposedDpEvent(step, 6)], DELTA), rel=1e-6)
 
 
 @real
