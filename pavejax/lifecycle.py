@@ -352,7 +352,11 @@ def adapt_zpl(cfg: LifecycleConfig, params: dict, pool: dict, dev: dict):
                        "num_subsets": cfg.zo_subsets,
                        "guarantee": "PAC privacy: every release is a unanimous sign or a fair "
                                     "coin, so the trajectory is independent of the secret subset"
-                                    " (0 nats of mutual information)"}}
+                                    " (0 nats of mutual information)",
+                       "protects": "each pool example's membership in the secret candidate "
+                                   "subset, against an adversary assumed to know the pool; the "
+                                   "pool's content is not protected",
+                       "pool_size": n}}
     return jax.tree.map(jnp.asarray, state.best if improved else params), info
 
 
