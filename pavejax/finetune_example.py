@@ -107,18 +107,20 @@ def run_finetune(cfg: FinetuneConfig, log=print) -> dict:
 
     delta = 1.0 / n ** 1.1
     sampling = privacy.SamplingConfig("poisson", dataset_size=n, batch_size=cfg.batch_size)
-    sigma = calibrate_noise(cfg.epsilon, delta, q=sampling.q, steps=cfg.steps)
-    dp_cfg = privacy.DPConfig(cfg.l2_clip, sigma, sampling)
+    # replace-one: the report states n (and q = b / n reveals it), so add/remove would not hold
+    sigma = calibrate_noise(cfg.epsilon, delta, q=sampling.q, steps=cfg.steps,
+                            relation="replace_one", accountant="pld")
+    dp_cfg = privacy.DPConfig(cfg.l2_clip, sigma, sampling, relation="replace_one")
     dp_grad = privacy.DPGradient(example_loss, dp_cfg)
     trainable = {"B": B, "head": params["head"]}
     opt = promotion_safe(optax.adam(cfg.learning_rate))
     opt_state = opt.init(trainable)
-    ledger = Ledger("add_remove")
+    ledger = Ledger("replace_one", accountant="pld")
     acc_before = accuracy(trainable)
     log(f"MiniLM + LoRA r={cfg.lora_rank} on '{cfg.task}': n={n} private examples, "
         f"{cfg.steps} DP-SGD steps, q={sampling.q:.4f}, sigma={sigma:.3f} "
         f"(calibrated for epsilon={cfg.epsilon} at delta={delta:.2e})")
-    key = jax.random.key(cfg.seed + 2)
+    key = privacy.fresh_key()  # secret: a key derived from the public seed would be replayable
     update = jax.jit(lambda g, s, t: opt.update(g, s, t))
     for step in tqdm(range(cfg.steps), desc="DP fine-tuning", disable=None):
         grad, info, event = dp_grad(trainable, None, train, jax.random.fold_in(key, step))
@@ -126,12 +128,12 @@ def run_finetune(cfg: FinetuneConfig, log=print) -> dict:
         trainable = optax.apply_updates(trainable, updates)
         ledger.record(event, label="dp-lora")
     acc_after = accuracy(trainable)
-    eps_pld, eps_rdp = ledger.epsilon(delta, "pld"), ledger.epsilon(delta, "rdp")
+    eps_pld = ledger.epsilon(delta)
     report = {
         "task": cfg.task, "train_examples": n, "test_examples": int(test["label"].shape[0]),
         "steps": cfg.steps, "noise_multiplier": sigma, "l2_clip": cfg.l2_clip,
-        "sampling_rate": sampling.q, "delta": delta,
-        "epsilon_pld": eps_pld, "epsilon_rdp": eps_rdp,
+        "sampling_rate": sampling.q, "delta": delta, "relation": "replace_one",
+        "epsilon_pld": eps_pld,
         "accuracy_before": acc_before, "accuracy_after": acc_after,
         "trainable_parameters": lora.num_parameters(B) + sum(
             x.size for x in jax.tree.leaves(params["head"])),
@@ -143,8 +145,8 @@ def run_finetune(cfg: FinetuneConfig, log=print) -> dict:
     log(f"| MiniLM, untrained head | {acc_before:.3f} |")
     log(f"| DP LoRA fine-tuned (epsilon={eps_pld:.2f}) | {acc_after:.3f} |")
     log("")
-    log(f"privacy ledger: {len(ledger)} Poisson-subsampled Gaussian steps, add/remove neighbours; "
-        f"epsilon = {eps_pld:.3f} (PLD) / {eps_rdp:.3f} (RDP) at delta = {delta:.2e}; "
+    log(f"privacy ledger: {len(ledger)} Poisson-subsampled Gaussian steps, replace-one "
+        f"neighbours (n = {n} is public); epsilon = {eps_pld:.3f} (PLD) at delta = {delta:.2e}; "
         "certified (dp-accounting).")
     log(f"finished in {report['seconds']:.0f} s")
     if not math.isfinite(acc_after):
