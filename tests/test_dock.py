@@ -105,6 +105,18 @@ def test_secret_key_is_private_and_never_stored_elsewhere(dock):
     assert a["l0/kernel"].shape == (5, 2)
 
 
+def test_secret_folder_and_key_file_are_owner_only_whatever_the_umask(tmp_path):
+    # Under umask 0 the modes on disk are exactly those Dock.create asks for (a restrictive
+    # umask would hide a too-open request): the secret folder 0700, the key file 0600.
+    old = os.umask(0)
+    try:
+        Dock.create(tmp_path / "dock").close()
+    finally:
+        os.umask(old)
+    assert (tmp_path / "dock" / "secret").stat().st_mode & 0o777 == 0o700
+    assert (tmp_path / "dock" / "secret" / "a_key").stat().st_mode & 0o777 == 0o600
+
+
 def test_two_docks_have_different_keys(tmp_path):
     with Dock.create(tmp_path / "a") as a, Dock.create(tmp_path / "b") as b:
         assert not np.array_equal(jax.random.key_data(a.a_key()), jax.random.key_data(b.a_key()))

@@ -341,6 +341,31 @@ def test_pld_full_batch_shortcut_survives_a_wrong_closed_form(monkeypatch):
     assert gaussian_exact_epsilon(mu, DELTA) <= 2.0 + 1e-12  # PLD never claims less than exact
 
 
+def test_pld_full_batch_replace_one_bracket_is_narrow(monkeypatch):
+    """At a small delta the three exact-Gaussian candidates fail the PLD check (discretisation
+    costs more than 5e-7 of sigma), so the search runs in the bracket built around the exact
+    Gaussian sigma. That bracket is only a speed-up, so only the accountant's work shows it:
+    3 candidates + 5 PLD evaluations in it. Without the exact sigma (bracket [hi/2, hi] from
+    RDP) the search takes 12, from a lower start 11, from scratch 19."""
+    from dp_accounting.pld import privacy_loss_mechanism as plm
+
+    kw = dict(q=1.0, steps=10, relation="replace_one", accountant="pld", pld_discretization=1e-3)
+    target, delta = 1.0, 1e-10
+    builds = []
+    init = plm.GaussianPrivacyLoss.__init__
+    monkeypatch.setattr(plm.GaussianPrivacyLoss, "__init__",
+                        lambda self, *a, **k: builds.append(1) or init(self, *a, **k))
+    sigma = calibrate_noise(target, delta, **kw)
+    assert 3 < len(builds) <= 8  # past the shortcut, and narrow
+    monkeypatch.undo()
+
+    def eps(s):
+        ledger = Ledger("replace_one", "pld", pld_discretization=1e-3)
+        ledger.record(dp_sgd_event(s, steps=10, q=1.0))
+        return ledger.epsilon(delta)
+    assert eps(sigma) <= target < eps(0.99 * sigma)
+
+
 def test_calibrated_noise_passes_budget_check():
     sigma = calibrate_noise(1.0, DELTA, q=1.0, steps=20)
     ledger = Ledger("add_remove", "rdp")

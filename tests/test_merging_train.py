@@ -339,3 +339,73 @@ def test_traced_sigma_matches_static_noise():
     d, _ = step(st, None, w0, x, m, x, m, jax.random.key(4), jnp.float32(0.7), jnp.float32(0.4))
     np.testing.assert_allclose(c.params["w"], d.params["w"], rtol=1e-5)
     assert not np.allclose(b.params["w"], d.params["w"])
+
+
+def test_traced_and_static_private_mean_divide_by_expected_batch_size_on_a_padded_batch():
+    # A Poisson-style padded batch: 8 rows, 3 real (mask) and 5 padding rows holding garbage;
+    # the expected batch size q N is 8, so dividing by the realised count 3 would scale the
+    # gradient by 8/3. train_task's compiled step takes the traced-sigma path of the private
+    # mean, the eager step with sigma=None the static one (noisy_gradient): both must give the
+    # sum of the real rows' gradients / 8. Zero noise makes the comparison exact.
+    x = np.zeros((8, 2), np.float32)
+    x[:3] = [[1.0, 0.0], [0.0, 2.0], [1.0, 1.0]]
+    x[3:] = 50.0
+    x = {"x": jnp.asarray(x)}
+    m = jnp.asarray([True, True, True, False, False, False, False, False])
+    cfg = mt.MergeTrainConfig(dataset_size=16, steps=1, mode="none", noise_multiplier=0.0,
+                              batch_size=8, l2_clip=100.0, anchor=0.0, optimizer="sgd",
+                              learning_rate=1.0)
+    w = {"w": jnp.array([0.5, -0.5])}
+    st = mt.init_state(w, cfg)
+    static, _ = mt.dp_sam_step(_lin_loss, cfg, st, None, w, x, m, x, m, jax.random.key(5))
+    step = jax.jit(functools.partial(mt.dp_sam_step, _lin_loss, mt._shape_config(cfg)))
+    traced, _ = step(st, None, w, x, m, x, m, jax.random.key(5), jnp.float32(0.0),
+                     jnp.float32(0.0))
+    expected = (3 * np.asarray(w["w"]) - np.asarray(x["x"][:3]).sum(0)) / 8  # (-0.125, -0.5)
+    np.testing.assert_allclose(static.prev_grad["w"], expected, rtol=1e-6)
+    np.testing.assert_allclose(traced.prev_grad["w"], expected, rtol=1e-6)
+    np.testing.assert_allclose(traced.params["w"], static.params["w"], rtol=1e-6)
+    # the realised-count normaliser is far outside the tolerance
+    assert not np.allclose(expected * 8 / 3, expected, rtol=1e-2)
+
+
+def _onehot_loss(params, frozen, ex):
+    # Example i has feature e_i: its gradient 0.5 (w . e_i - 1)^2 touches coordinate i only.
+    return 0.5 * jnp.square(jnp.dot(params["w"], ex["x"]) - 1.0)
+
+
+def _descent_and_overlap(mode, steps=4, n=16, rho=0.5):
+    """Runs train_task with w frozen at 0 (SGD, lr 0), no noise, no clipping, no anchor, and
+    reads each step's private descent gradient g (state.prev_grad) from the callback. At w = 0
+    the ascent perturbation is e = -rho / sqrt(|A|) on the ascent batch A, so for i in the
+    descent batch D: 8 g_i = e_i - 1, i.e. -1 if i is not in A and -1 - rho/sqrt(|A|) if it is.
+    Returns (D, D & A) per step."""
+    cfg = mt.MergeTrainConfig(dataset_size=n, steps=steps, mode=mode, noise_multiplier=0.0,
+                              batch_size=n // 2, l2_clip=100.0, rho=rho, anchor=0.0,
+                              optimizer="sgd", learning_rate=0.0)
+    grads = []
+
+    def record(k, state):
+        grads.append(np.asarray(state.prev_grad["w"]) * cfg.batch_size)
+
+    mt.train_task(_onehot_loss, {"w": jnp.zeros(n)}, None, {"x": jnp.eye(n)},
+                  jax.random.key(7), cfg, callback=record)
+    out = []
+    for g in grads:
+        descent = set(np.flatnonzero(g != 0).tolist())
+        assert all(g[i] < -1 + 1e-5 for i in descent)
+        out.append((descent, set(np.flatnonzero(g < -1 - rho / (4 * math.sqrt(n))).tolist())))
+    return out
+
+
+def test_train_task_fresh_mode_draws_the_ascent_batch_independently_of_the_descent_batch():
+    # "fresh" is accounted as 2K independent Poisson queries: the ascent batch must be a new
+    # draw, not the descent batch again (that is "same" mode, whose epsilon is much larger).
+    same = _descent_and_overlap("same")
+    assert all(d and both == d for d, both in same)  # control: the observable sees full overlap
+    fresh = _descent_and_overlap("fresh")
+    assert all(d for d, _ in fresh)
+    assert any(both for _, both in fresh)  # some descent examples also lie in the ascent batch
+    assert any(both != d for d, both in fresh), (
+        "every descent example was also in the ascent batch at every step: the ascent reuses "
+        "the descent batch")
