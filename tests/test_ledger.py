@@ -528,3 +528,38 @@ def test_bad_epsilons_accountants_and_sampling_sizes():
         gaussian_step_event(1.0, q=0.5, dataset_size=100, batch_size=10)
     with pytest.raises(ValueError, match="use 'poisson' or 'fixed'"):
         gaussian_step_event(1.0, q=0.5, sampling="shuffle")
+
+
+# --- PLD of composed Gaussian queries (DP-SAM's "same" mode) ----------------------------------
+
+
+@pytest.mark.parametrize("relation, sens", [("replace_one", 2.0), ("add_remove", 1.0)])
+def test_pld_composed_gaussians_equal_the_exact_gaussian_of_their_mu(relation, sens):
+    """Two Gaussian queries of multipliers 1.5 and 3 on the same data are mu-GDP with
+    mu^2 = sens^2 (1.5^-2 + 3^-2): PLD of the composition matches Balle-Wang's exact epsilon."""
+    g1, g2 = dpa.GaussianDpEvent(1.5), dpa.GaussianDpEvent(3.0)
+    ledger = Ledger(relation, "pld", pld_discretization=1e-3)
+    ledger.record(dpa.ComposedDpEvent([g1, g2]), count=4)
+    mu = sens * math.sqrt(4 * (1.5 ** -2 + 3.0 ** -2))
+    assert ledger.epsilon(DELTA) == pytest.approx(gaussian_exact_epsilon(mu, DELTA), rel=1e-3)
+
+
+def test_pld_analyses_poisson_sampled_composition_between_its_bounds():
+    """dp-accounting's PLD refuses PoissonSampled(Composed[G, G]); the ledger analyses it, and
+    the figure lies where it must: above one subsampled query of multiplier z (half the
+    information) and at or below RDP of the same event (RDP is never tighter than PLD)."""
+    z, q, steps = 2.0, 1 / 16, 300
+    same = dpa.PoissonSampledDpEvent(q, dpa.ComposedDpEvent([dpa.GaussianDpEvent(z)] * 2))
+    plain = dpa.pld.PLDAccountant(dpa.NeighboringRelation.ADD_OR_REMOVE_ONE)
+    assert not plain.supports(same)
+    ledger = Ledger("add_remove", "pld")
+    ledger.record(same, count=steps)
+    one = dpa.pld.PLDAccountant(dpa.NeighboringRelation.ADD_OR_REMOVE_ONE,
+                                value_discretization_interval=1e-4)
+    one.compose(dpa.PoissonSampledDpEvent(q, dpa.GaussianDpEvent(z)), steps)
+    eps = ledger.epsilon(DELTA)
+    assert one.get_epsilon(DELTA) < eps <= ledger.epsilon(DELTA, accountant="rdp")
+    # replace-one is analysed too (RDP has no Poisson analysis there) and costs more
+    ro = Ledger("replace_one", "pld")
+    ro.record(same, count=steps)
+    assert ro.epsilon(DELTA) > eps
