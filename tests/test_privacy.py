@@ -1,6 +1,7 @@
 """Tests of the DP engine: clipping, clipped sum, microbatching, masks, noise, sampling."""
 
 import math
+from fractions import Fraction
 
 import hypothesis.extra.numpy as hnp
 import jax
@@ -10,6 +11,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from pavejax import privacy as pv
+from pavejax.privacy.sampling import poisson_threshold
 
 
 def _mlp_params(key, d_in=5, d_h=7, d_out=3):
@@ -249,3 +251,98 @@ def test_dp_gradient_pads_poisson_batch_to_microbatch_multiple(key):
     real = jax.tree.map(lambda x: x[np.asarray(idx)[np.asarray(mask)]], data)
     ref = _slow_clipped_sum(params, real, 0.5)
     _assert_tree_close(grad, jax.tree.map(lambda a: a / 10.0, ref), rtol=2e-5, atol=1e-7)
+
+
+# ------------------------------------------------------------------ Poisson rate, exactly
+
+
+def _words_as_u64(key, n):
+    # The sampler's documented draw: example i's 64 bits are bits[0, i] (high) and bits[1, i].
+    w = np.asarray(jax.random.bits(key, (2, n), jnp.uint32)).astype(np.uint64)
+    return (w[0] << np.uint64(32)) | w[1]
+
+
+def _threshold(q):
+    # floor(q * 2^64) from q's exact binary fraction (independent of the library's Fraction).
+    num, den = float(q).as_integer_ratio()
+    return num * 2**64 // den
+
+
+def test_poisson_rate_is_tight_around_q(key):
+    # 100 draws of n = 20000 at q = 0.05: the total is Binomial(2e6, q), sd ~308, so a 5-sigma
+    # band is +-1.5% of the mean; the old check (60 draws of n = 1000) could not see 7%.
+    n, b, draws = 20_000, 1_000, 100
+    cfg = pv.SamplingConfig("poisson", dataset_size=n, batch_size=b)
+    q, trials = cfg.q, n * draws
+    total = sum(int(cfg.sample(jax.random.fold_in(key, i))[1].sum()) for i in range(draws))
+    mean, sd = trials * q, math.sqrt(trials * q * (1 - q))
+    biased = 1.05 * q  # the band must be able to see a 5% excess: check its power first
+    assert trials * biased - mean > 5 * sd + 5 * math.sqrt(trials * biased * (1 - biased))
+    assert abs(total - mean) < 5 * sd
+
+
+@pytest.mark.parametrize("q", [2e-8, 3e-7, 1.6e-5, 0.05, 1 / 3, 0.5, 1 - 2**-53, 1.0])
+def test_poisson_threshold_is_exact_and_never_above_q(q):
+    t = poisson_threshold(q)
+    assert t == _threshold(q)
+    rate = Fraction(t, 2**64)
+    # One-sided, within 2^-64 (the old float32 grid realised ceil(q 2^23) / 2^23: 6q at 2e-8).
+    assert Fraction(q) - Fraction(1, 2**64) < rate <= Fraction(q)
+
+
+def test_poisson_threshold_rejects_rates_outside_unit_interval():
+    for bad in (0.0, -0.1, 1.5, float("nan")):
+        with pytest.raises(ValueError, match=r"\(0, 1\]"):
+            poisson_threshold(bad)
+
+
+def test_poisson_rate_one_includes_everyone(key):
+    cfg = pv.SamplingConfig("poisson", dataset_size=37, batch_size=37)
+    idx, mask = cfg.sample(key)
+    np.testing.assert_array_equal(idx, np.arange(37))
+    assert bool(mask.all())
+
+
+@pytest.mark.parametrize("n, rank", [(1 << 16, 0), (4096, 1365)])
+def test_poisson_sampler_resolves_q_to_one_float64_step(key, n, rank):
+    # Example j has the rank-th smallest 64-bit draw u_j (rank 0: q ~ 1.5e-5, the n = 1e6,
+    # b = 16 regime; rank 1365: q ~ 1/3). q_lo is the largest float64 with floor(q 2^64) <= u_j
+    # and q_hi the next float64: j must go from out to in and nothing else may change. The old
+    # float32 comparison resolves q only to 2^-23 and cannot tell q_lo from q_hi; comparing the
+    # high words only, or with "<=", gets j wrong at one of them. (A statistical test that
+    # could see the float32 grid at small q needs ~1e8 draws, ~10 s here; this one is exact.)
+    u = _words_as_u64(key, n)
+    j = int(np.argsort(u)[rank])
+    uj = int(u[j])
+    q_lo = float(Fraction(uj + 1, 2**64))
+    while Fraction(q_lo) * 2**64 >= uj + 1:
+        q_lo = np.nextafter(q_lo, 0.0)
+    q_hi = float(np.nextafter(q_lo, 1.0))
+    assert _threshold(q_lo) <= uj < _threshold(q_hi)
+
+    def chosen(q):
+        idx, mask, count = pv.poisson_indices(key, n, float(q), rank + 8)
+        assert int(count) <= rank + 8
+        return set(np.asarray(idx)[np.asarray(mask)].tolist())
+
+    lo, hi = chosen(q_lo), chosen(q_hi)
+    assert j not in lo and hi == lo | {j}
+    assert len(lo) == rank
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_poisson_sampler_output_pinned_by_independent_reimplementation(seed):
+    # Expected indices and mask from numpy on the same jax.random.bits, compared as 64-bit ints:
+    # pins the documented draw, so a change of word order or layout (which changes the examples
+    # a recorded key selects, invisible to the rate tests) fails here.
+    n, b, max_batch = 40, 6, 20
+    cfg = pv.SamplingConfig("poisson", dataset_size=n, batch_size=b, max_batch=max_batch)
+    k = jax.random.key(seed)
+    chosen = np.flatnonzero(_words_as_u64(k, n) < np.uint64(_threshold(b / n)))
+    want_idx = np.zeros(max_batch, np.int32)
+    want_idx[:len(chosen)] = chosen
+    idx, mask = cfg.sample(k)
+    assert idx.dtype == jnp.int32 and mask.dtype == jnp.bool_
+    np.testing.assert_array_equal(idx, want_idx)
+    np.testing.assert_array_equal(mask, np.arange(max_batch) < len(chosen))
+    assert 0 < len(chosen) < max_batch  # a non-trivial draw, not all padding

@@ -4,6 +4,17 @@ Poisson sampling includes each of the n examples independently with probability 
 the batch must have a static size, so the sampled indices are written into a padded array of
 ``max_batch`` rows with a boolean mask marking the real ones.
 
+Realised rate (exact): example i is included iff its 64 random bits, read as an integer
+u_i uniform on [0, 2^64), satisfy u_i < T with T = floor(q * 2^64) computed exactly on the host
+from the float64 q (:func:`poisson_threshold`); so P(include) = T / 2^64, which lies in
+(q - 2^-64, q]. It equals q exactly for every q >= 2^-12 (the float64 spacing there is a
+multiple of 2^-64), q = 1 included (everyone is drawn). The error is one-sided on purpose: a
+rate above the accounted q would make every step leak more than the ledger says (a float32
+uniform compared with float32(q) lives on a 2^-23 grid and realises ceil(q 2^23) / 2^23,
+e.g. +0.6% at q = 1.6e-5 and 6x at q = 2e-8), whereas a rate below q is covered by the
+accounting for q (the privacy curve of a Poisson-subsampled mechanism is non-decreasing in q).
+The 64 bits are two uint32 words compared lexicographically, so no x64 mode is needed.
+
 Overflow policy (explicit): if more than ``max_batch`` examples are drawn, the step raises
 :class:`BatchOverflowError` instead of silently dropping examples (dropping would make the
 mechanism a truncated Poisson sample, which the Poisson accounting does not cover). The draw
@@ -18,6 +29,7 @@ accounted as sampling without replacement under replace-one neighbouring.
 from __future__ import annotations
 
 import dataclasses
+import fractions
 import functools
 
 import jax
@@ -107,10 +119,41 @@ class SamplingConfig:
         return idx, mask
 
 
+def poisson_threshold(q: float) -> int:
+    """T = floor(q * 2^64), exactly (from the float64 value of q), for q in (0, 1].
+
+    An example whose 64 uniform bits read as an integer below T is included, so the realised
+    inclusion probability is T / 2^64, in (q - 2^-64, q]; T = 2^64 exactly when q = 1.
+    """
+    q = float(q)
+    if not 0.0 < q <= 1.0:
+        raise ValueError(f"the Poisson sampling rate q must be in (0, 1], got {q!r}.")
+    return int(fractions.Fraction(q) * 2**64)  # int() of a positive Fraction is its floor
+
+
+def poisson_mask(key: jax.Array, dataset_size: int, q: float) -> jax.Array:
+    """(dataset_size,) bool: entry i True independently w.p. exactly T/2^64 <= q, T = floor(q 2^64).
+
+    Example i's 64 bits are ``hi = bits[0, i]`` and ``lo = bits[1, i]`` of
+    ``jax.random.bits(key, (2, dataset_size), uint32)``; it is included iff
+    ``hi * 2^32 + lo < T`` (compared word by word, so no x64 mode is needed).
+    """
+    t = poisson_threshold(q)
+    if t == 2**64:
+        return jnp.ones((dataset_size,), bool)
+    t_hi, t_lo = jnp.uint32(t >> 32), jnp.uint32(t & 0xFFFFFFFF)
+    hi, lo = jax.random.bits(key, (2, dataset_size), jnp.uint32)
+    return (hi < t_hi) | ((hi == t_hi) & (lo < t_lo))
+
+
 @functools.partial(jax.jit, static_argnums=(1, 2, 3))
 def poisson_indices(key: jax.Array, dataset_size: int, q: float, max_batch: int):
-    """Poisson draw as (indices, mask, count); indices beyond ``count`` are padding (index 0)."""
-    chosen = jax.random.uniform(key, (dataset_size,)) < jnp.float32(q)
+    """Poisson draw as (indices, mask, count); indices beyond ``count`` are padding (index 0).
+
+    Each example is drawn independently w.p. ``poisson_threshold(q) / 2**64`` (never above q).
+    ``count`` may exceed ``max_batch``; the caller must then refuse the step (overflow policy).
+    """
+    chosen = poisson_mask(key, dataset_size, q)
     count = jnp.sum(chosen.astype(jnp.int32))
     (idx,) = jnp.nonzero(chosen, size=max_batch, fill_value=0)
     mask = jnp.arange(max_batch) < count
