@@ -1,8 +1,10 @@
 """PAC-Privacy accounting: BIAWGN mutual information, σ calibration, MIA bounds, MI ledger."""
 
+import functools
 import json
 import math
 
+import mpmath
 import numpy as np
 import pytest
 from scipy import integrate, stats
@@ -10,6 +12,7 @@ from scipy import integrate, stats
 from pavejax.accounting import Ledger, dp_sgd_event
 from pavejax.accounting.pac import (
     bernoulli_kl,
+    biawgn_mi_upper_bound,
     biawgn_mutual_information,
     binary_entropy,
     bsc_mutual_information,
@@ -33,6 +36,55 @@ def reference_mi(q, sigma):
     lo, hi = -1 - 12 * sigma, 1 + 12 * sigma
     h_y = integrate.quad(integrand, lo, hi, points=[-1, 1], limit=500, epsabs=1e-13)[0]
     return h_y - 0.5 * math.log(2 * math.pi * math.e * sigma**2)
+
+
+@functools.cache
+def mpmath_mi(q, sigma):
+    """I(s; s + N(0, σ²)) from its definition, Σ_s P(s) ∫ p(y|s) ln(p(y|s)/p(y)) dy, by
+    mpmath.quad at 30 digits (split at ±1, the posterior's crossing point and ±(1 + 12σ)).
+    Independent of the library's formulas; its error estimate is checked to be < 1e-20."""
+    with mpmath.workdps(30):
+        q, s = mpmath.mpf(q), mpmath.mpf(sigma)
+        k = 1 / (2 * s**2)
+
+        def integrand(y):  # the densities' common factor 1/(σ√(2π)) is applied at the end
+            plus, minus = mpmath.exp(-k * (y - 1) ** 2), mpmath.exp(-k * (y + 1) ** 2)
+            mix = q * plus + (1 - q) * minus
+            return q * plus * mpmath.log(plus / mix) + (1 - q) * minus * mpmath.log(minus / mix)
+
+        cross = s**2 / 2 * mpmath.log((1 - q) / q)
+        points = sorted({-1.0, 1.0, float(cross), float(-1 - 12 * s), float(1 + 12 * s)})
+        value, error = mpmath.quad(integrand, [-mpmath.inf, *points, mpmath.inf], maxdegree=5,
+                                   error=True)
+        assert error < 1e-20 * abs(value)
+        return float(value / (s * mpmath.sqrt(2 * mpmath.pi)))
+
+
+# The range the solver uses: σ from 0.05 (where I = H_b(q) to 1e-16) to 1e3, denser at 0.2–0.4
+# where PACZero-MI's capped steps (β = 0.999 H_b) land and where the 60-node rule errs most.
+SIGMAS = [*np.geomspace(0.05, 1e3, 21), *np.linspace(0.2, 0.4, 11)]
+PRIORS = (0.5, 0.9, 0.5, 0.999, 0.5, 1e-12, 0.5, 1 - 1e-9)
+
+
+def test_upper_bound_is_above_a_30_digit_reference_and_tight():
+    grid = [(PRIORS[i % len(PRIORS)], float(s)) for i, s in enumerate(SIGMAS)]
+    shortfall = 0.0
+    for q, sigma in grid:
+        exact = mpmath_mi(q, sigma)
+        bound = biawgn_mi_upper_bound(q, sigma)
+        assert exact <= bound <= exact * (1 + 1e-6), (q, sigma, bound / exact - 1)
+        shortfall = max(shortfall, 1 - biawgn_mutual_information(q, sigma) / exact)
+    # The reference's 60-node rule (what σ was calibrated on before) falls short of the true
+    # value by more than 1e-6 relative on this grid (most at σ = 0.2–0.35).
+    assert shortfall > 2e-6
+
+
+def test_binary_entropy_keeps_the_digits_of_extreme_priors():
+    for q in (1e-12, 1e-9, 0.3, 1 - 1e-9):
+        with mpmath.workdps(30):
+            exact = float(-mpmath.mpf(q) * mpmath.log(q) - (1 - mpmath.mpf(q))
+                          * mpmath.log(1 - mpmath.mpf(q)))
+        assert binary_entropy(q) == pytest.approx(exact, rel=1e-14, abs=0.0)
 
 
 @pytest.mark.parametrize("q, sigma, expected", [(0.5, 40.0, 3.124e-4), (0.9, 10.0, 1.797e-3),
@@ -98,15 +150,27 @@ def test_conservative_sigma_never_overspends(total, q):
     for steps in (1000, 2000):
         beta = min(total / steps, 0.999 * binary_entropy(q))
         sigma = calibrate_biawgn_sigma(q, beta)
-        realised = biawgn_mutual_information(q, sigma)
-        assert realised <= beta
-        assert realised >= beta * (1 - 1e-6)  # and not wastefully loose
+        bound = biawgn_mi_upper_bound(q, sigma)  # checked against mpmath above
+        assert bound <= beta
+        assert bound >= beta * (1 - 1e-9)  # and not wastefully loose
+
+
+def test_calibrated_sigma_leaks_at_most_beta_by_a_30_digit_reference():
+    # Targets whose σ spans the solver's range, dense where the 60-node rule errs (0.2–0.4).
+    cases = [(0.5, s) for s in np.linspace(0.22, 0.4, 10)] + [
+        (0.9, 0.3), (0.999, 0.35), (0.5, 1.0), (0.99, 3.0), (0.5, 40.0), (0.9, 900.0)]
+    for q, target in cases:
+        beta = biawgn_mutual_information(q, target)  # an input: any β in range will do
+        sigma = calibrate_biawgn_sigma(q, beta)
+        exact = mpmath_mi(q, sigma)
+        assert exact <= beta <= exact * (1 + 1e-6), (q, target, beta / exact - 1)
 
 
 def test_faithful_solver_reproduces_reference_overspend():
     beta = 1e-4 / 2000
     sigma = calibrate_biawgn_sigma(0.5, beta, faithful=True)
     assert biawgn_mutual_information(0.5, sigma) / beta == pytest.approx(10.0, rel=1e-3)
+    assert biawgn_mi_upper_bound(0.5, sigma) / beta == pytest.approx(10.0, rel=1e-3)
     # At the headline budgets the reference routine is within 0.3% of the target.
     sigma = calibrate_biawgn_sigma(0.5, 0.33 / 1000, faithful=True)
     assert sigma == pytest.approx(38.9, abs=0.05)
