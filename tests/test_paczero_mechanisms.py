@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from pavejax.accounting.pac import biawgn_mutual_information
+from pavejax.accounting.pac import biawgn_mi_upper_bound, calibrate_biawgn_sigma
 from pavejax.paczero import (
     dpzo_release,
     dpzo_step_event,
@@ -22,6 +22,7 @@ from pavejax.paczero import (
     unanimous,
     zpl_release,
 )
+from tests.test_pac_accounting import mpmath_mi
 
 
 def test_membership_matrix_half_of_subsets_each():
@@ -98,10 +99,27 @@ def test_mi_release_realised_never_exceeds_charged(budget, steps):
         rel, logp = mi_release(signs, secret, logp, beta, rng)
         assert rel.realised <= rel.charged <= beta
         if rel.sigma is not None:
-            assert rel.realised == pytest.approx(biawgn_mutual_information(rel.q_plus, rel.sigma))
+            assert rel.realised == biawgn_mi_upper_bound(rel.q_plus, rel.sigma)
         assert np.exp(logp).sum() == pytest.approx(1.0)
         used += rel.charged
     assert used <= budget
+
+
+@pytest.mark.parametrize("q", [0.5, 0.9])
+def test_faithful_sigma_is_charged_what_it_leaks(q):
+    # The reference solver stops at |I − β| < 1e-6 nats: at β = 1e-8 its σ leaks ~50 β. The
+    # charge must be what the release leaks (30-digit reference), whatever the solver.
+    beta, rng = 1e-8, np.random.default_rng(10)
+    logp = np.log([q, 1 - q])
+    rel, _ = mi_release(np.array([1, -1], np.int8), 0, logp, beta, rng, faithful=True)
+    leak = mpmath_mi(q, rel.sigma)
+    assert leak > 10 * beta  # the reference's σ overspends here...
+    assert rel.charged >= leak and rel.charged >= rel.realised >= leak  # ...and it is charged
+    assert rel.sigma == calibrate_biawgn_sigma(q, beta, faithful=True)  # same σ as the reference
+    # With less budget left than that leak, the conservative σ is used: the budget binds.
+    rel, _ = mi_release(np.array([1, -1], np.int8), 0, logp, beta, rng, faithful=True,
+                        limit=2 * beta)
+    assert mpmath_mi(q, rel.sigma) <= rel.charged <= beta
 
 
 def test_mi_unanimous_is_free_and_keeps_posterior():

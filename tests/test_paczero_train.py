@@ -1,6 +1,6 @@
-"""The zeroth-order training loop: secret independence of ZPL, budgets, resume through the
-Orbax TrainCheckpointer (bit-exact, ledger never lower, budgets and run records binding),
-selection, and no ZOState secret in a release."""
+"""The zeroth-order training loop: secret independence of ZPL, budgets and MI charges, resume
+through the Orbax TrainCheckpointer (bit-exact, ledger never lower, budgets and run records
+binding), selection, and no ZOState secret in a release."""
 
 import dataclasses
 import math
@@ -18,11 +18,13 @@ from pavejax.paczero import (
     ZOState,
     init_state,
     learning_rate,
+    mechanisms as mech,
     restore_state,
     save_state,
     train,
 )
 from pavejax.release import ReleaseError, ReleaseMetadata, save_release
+from tests.test_pac_accounting import mpmath_mi
 
 N, D = 32, 4
 # Every run shares one direction count, subset count and DP setting, so the loop's device
@@ -78,6 +80,39 @@ def test_mi_spends_at_most_its_budget():
     assert sum(st.charges) <= 0.05 and len(st.charges) == st.step
     assert st.ledger(cfg, N).mutual_information() == pytest.approx(math.fsum(st.charges))
     assert st.mi_used <= 0.05
+
+
+def spy_on(monkeypatch, owner, name):
+    """Records every return value of ``owner.name`` (and its arguments) as the loop calls it."""
+    calls, real = [], getattr(owner, name)
+
+    def spy(*args, **kwargs):
+        out = real(*args, **kwargs)
+        calls.append((args, kwargs, out))
+        return out
+
+    monkeypatch.setattr(owner, name, spy)
+    return calls
+
+
+def test_faithful_mi_run_is_charged_what_it_leaks(monkeypatch):
+    # The reference σ solver overspends small per-step budgets (|I − β| < 1e-6 absolute): the
+    # ledger must hold what the releases leak, and the run's budget must still bind.
+    calls = spy_on(monkeypatch, mech, "mi_release")
+    cfg = ZOConfig("mi", steps=10, learning_rate=0.05, clip=5.0, num_subsets=M, mi_budget=1e-6,
+                   num_directions=K, faithful=True)
+    st = train(cfg, loss, init_state(cfg, start(), N, public_seed=1, mechanism_seed=3), None,
+               make_pool())
+    released = [out[0] for _, _, out in calls]
+    noisy = [(r, args[3]) for args, _, (r, _) in calls if r.sigma is not None]
+    assert len(noisy) >= 4
+    for r, _ in noisy[:4]:  # against the 30-digit reference
+        assert r.charged >= mpmath_mi(r.q_plus, r.sigma)
+    assert max(r.charged / beta for r, beta in noisy) > 3  # the overspend is on the ledger
+    assert all(r.charged >= r.realised for r in released)
+    spent = st.ledger(cfg, N).mutual_information()
+    assert spent == pytest.approx(math.fsum(r.charged for r in released), rel=1e-12)
+    assert spent <= cfg.mi_budget * (1 + 1e-12)
 
 
 RESUMABLE = {"zpl": {"num_subsets": M}, "mi": {"mi_budget": 0.2, "num_subsets": M}, "dpzo": DP}

@@ -15,9 +15,12 @@ Guarantees:
 * **PACZero-ZPL** (``"zpl"``): I(S*; Y_1:T) = 0. Unanimous signs are released as is; otherwise Y
   is a fair coin. `zpl_release` never receives the secret.
 * **PACZero-MI** (``"mi"``): I(S*; Y_1:T) <= B nats. With posterior mass q₊ on s* = +1 and
-  per-release budget β (capped at 0.999·H_b(q₊)), y = s* + N(0, σ²) with I_BIAWGN(q₊, σ) <= β
-  (conservative calibration), Y = sign(y) (ties +1), the posterior is updated on the real y
-  (treated as public: conservative), and β is charged. The chain rule bounds the total by Σβ.
+  per-release budget β (capped at 0.999·H_b(q₊)), y = s* + N(0, σ²) with σ calibrated so that
+  a certified upper bound on I_BIAWGN(q₊, σ) (`biawgn_mi_upper_bound`) is <= β, Y = sign(y)
+  (ties +1), the posterior is updated on the real y (treated as public: conservative), and
+  max(β, that upper bound) is charged: β by construction, more only with the reference's
+  ``faithful`` solver, whose σ can leak far more than β. The chain rule bounds the total by
+  the sum of the charges.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from scipy import special
 
 from pavejax.accounting import gaussian_step_event
 from pavejax.accounting.pac import (
-    biawgn_mutual_information,
+    biawgn_mi_upper_bound,
     binary_entropy,
     calibrate_biawgn_sigma,
 )
@@ -52,9 +55,9 @@ class Release:
     """One released scalar and what it cost.
 
     ``value``: Y (±1 for PACZero, real for MeZO/DP-ZO); ``unanimous``: the step needed no noise;
-    ``charged``: nats charged to the budget; ``realised``: the mutual information the release
-    actually has (<= charged); ``sigma``: the Gaussian noise std (None if none); ``q_plus``: the
-    prior mass on s* = +1.
+    ``charged``: nats charged to the budget (>= ``realised``); ``realised``: a certified upper
+    bound on the mutual information the release has (`biawgn_mi_upper_bound`); ``sigma``: the
+    Gaussian noise std (None if none); ``q_plus``: the prior mass on s* = +1.
     """
 
     value: float
@@ -128,13 +131,18 @@ def zpl_release(signs: np.ndarray, rng: np.random.Generator) -> Release:
 
 
 def mi_release(signs: np.ndarray, secret: int, log_posterior: np.ndarray, beta: float,
-               rng: np.random.Generator, *, faithful: bool = False) -> tuple[Release, np.ndarray]:
+               rng: np.random.Generator, *, faithful: bool = False,
+               limit: float | None = None) -> tuple[Release, np.ndarray]:
     """PACZero-MI release of one direction with per-release budget ``beta`` (nats).
 
     Returns the release and the updated log posterior (M,). PAC-unanimous (q₊ within 1e-12 of 0
     or 1): releases s* with no noise and charges 0. Otherwise β ← min(β, 0.999·H_b(q₊)); with
     β = 0 (budget spent) the caller must stop before calling. σ solves I_BIAWGN(q₊, σ) = β
-    (conservatively unless ``faithful``).
+    conservatively (its certified upper bound is <= β), or with the reference's solver if
+    ``faithful``; the charge is max(β, the upper bound at σ), so a faithful σ that leaks more
+    than β is charged what it leaks. ``limit`` (nats left in the run's budget): a faithful σ
+    whose leak would exceed it is replaced by the conservative one, so the budget still binds.
+    ``rng`` is the noise generator (secret).
     """
     signs = np.asarray(signs)
     s_star = float(signs[secret])
@@ -146,12 +154,16 @@ def mi_release(signs: np.ndarray, secret: int, log_posterior: np.ndarray, beta: 
                          "instead of releasing")
     beta = min(beta, 0.999 * binary_entropy(q))
     sigma = calibrate_biawgn_sigma(q, beta, faithful=faithful)
+    leak = biawgn_mi_upper_bound(q, sigma)
+    if faithful and limit is not None and leak > limit:
+        sigma = calibrate_biawgn_sigma(q, beta)
+        leak = biawgn_mi_upper_bound(q, sigma)
     y = s_star + sigma * float(rng.standard_normal())
     s = np.where(signs > 0, 1.0, -1.0)
     updated = np.asarray(log_posterior, np.float64) - (y - s) ** 2 / (2.0 * sigma**2)
     updated = updated - special.logsumexp(updated)
-    release = Release(1.0 if y >= 0.0 else -1.0, charged=beta,
-                      realised=biawgn_mutual_information(q, sigma), sigma=sigma, q_plus=q)
+    release = Release(1.0 if y >= 0.0 else -1.0, charged=max(beta, leak), realised=leak,
+                      sigma=sigma, q_plus=q)
     return release, updated
 
 

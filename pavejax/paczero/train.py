@@ -67,9 +67,11 @@ class ZOConfig:
     mechanism: ``"mezo"``, ``"dpzo"``, ``"zpl"`` or ``"mi"``. steps: T. learning_rate: η₀ (linear
     decay to ``lr_end``). eps: perturbation scale ε. clip: per-example bound c on |ĝ_i| (the DP-ZO
     sensitivity). num_directions: K. num_subsets: M (even). mi_budget: B in nats (``"mi"``).
-    faithful: reproduce the reference σ solver. dp_epsilon / dp_delta / dp_batch_size: DP-ZO
-    target and expected Poisson batch. microbatch_size: forward chunk size. eval_every: dev
-    evaluation period (0 = only at the end).
+    faithful: reproduce the reference σ solver; its σ can leak more than the per-step budget
+    (up to ~50x at β = 1e-8), which is then charged, and it falls back to the conservative σ
+    where that would overrun ``mi_budget``. dp_epsilon / dp_delta / dp_batch_size: DP-ZO target
+    and expected Poisson batch. microbatch_size: forward chunk size. eval_every: dev evaluation
+    period (0 = only at the end).
     """
 
     mechanism: str
@@ -294,8 +296,9 @@ def _releases(config: ZOConfig, state: ZOState, out: dict, rng: np.random.Genera
     beta = mech.per_step_budget(config.mi_budget, m.mi_used, state.step, config.steps) / k
     logp, rels = m.log_posterior, []
     for j in range(k):
+        left = config.mi_budget - math.fsum([m.mi_used, *(r.charged for r in rels)])
         rel, logp = mech.mi_release(signs[j], state.secret, logp, beta, rng,
-                                    faithful=config.faithful)
+                                    faithful=config.faithful, limit=left)
         rels.append(rel)
     used = math.fsum([m.mi_used, *(r.charged for r in rels)])
     return rels, dataclasses.replace(m, log_posterior=logp, mi_used=min(used, config.mi_budget))
