@@ -147,7 +147,7 @@ def zo_dev(tr) -> float:
 
 
 def zo_init(cfg: ZOConfig):
-    return init_state(cfg, zo_start(), ZO_N, public_seed=4, mechanism_seed=5)
+    return init_state(cfg, zo_start(), ZO_N, public_seed=4, mechanism_seed=5, secret_seed=6)
 
 
 # ------------------------------------------------------------------ the killable worker

@@ -1,10 +1,11 @@
-"""The zeroth-order training loop: secret independence of ZPL, budgets and MI charges, resume
-through the Orbax TrainCheckpointer (bit-exact, ledger never lower, budgets and run records
-binding), selection, and no ZOState secret in a release."""
+"""The zeroth-order training loop: secret independence of ZPL, budgets and MI charges, where
+the secrets come from, resume through the Orbax TrainCheckpointer (bit-exact, ledger never
+lower, budgets and run records binding), selection, and no ZOState secret in a release."""
 
 import dataclasses
 import math
 import re
+import secrets
 
 import jax
 import jax.numpy as jnp
@@ -19,10 +20,12 @@ from pavejax.paczero import (
     init_state,
     learning_rate,
     mechanisms as mech,
+    membership_matrix,
     restore_state,
     save_state,
     train,
 )
+from pavejax.privacy import SamplingConfig
 from pavejax.release import ReleaseError, ReleaseMetadata, save_release
 from tests.test_pac_accounting import mpmath_mi
 
@@ -67,6 +70,7 @@ def test_zpl_trajectory_ignores_secret_and_posterior_stays_uniform():
     b = train(cfg, loss, dataclasses.replace(s0, secret=(s0.secret + 3) % 8), None, pool)
     assert same_tree(a.trainable, b.trainable)
     assert a.mechanism.rng_state == b.mechanism.rng_state
+    assert a.mechanism.coin_state == b.mechanism.coin_state != s0.mechanism.coin_state
     np.testing.assert_array_equal(a.mechanism.log_posterior, np.full(8, -math.log(8)))
     assert a.mi_used == 0.0 and a.ledger(cfg, N).mutual_information() == 0.0
     assert a.releases == 12 * K and 0 <= a.unanimous <= 12 * K
@@ -115,6 +119,49 @@ def test_faithful_mi_run_is_charged_what_it_leaks(monkeypatch):
     assert spent <= cfg.mi_budget * (1 + 1e-12)
 
 
+def test_secret_index_comes_from_the_os_not_the_mechanism_seed(monkeypatch):
+    cfg = ZOConfig("zpl", steps=1, learning_rate=0.05, num_subsets=16)
+    states = [init_state(cfg, start(), N, public_seed=0, mechanism_seed=3) for _ in range(20)]
+    assert len({st.secret for st in states}) >= 2  # not a function of the mechanism seed
+    # That seed fixes the public membership and the whole coin stream in every state, so
+    # neither determines the secret; the noise generator is seeded from the OS as well.
+    public = np.random.default_rng(3)
+    membership = membership_matrix(public, N, 16)
+    assert all(np.array_equal(st.membership, membership) for st in states)
+    assert all(st.mechanism.coin_state == public.bit_generator.state for st in states)
+    assert len({str(st.mechanism.rng_state) for st in states}) == 20
+    # The secret is the operating system's draw, and drawing it consumes no public stream.
+    monkeypatch.setattr(secrets, "randbelow", lambda m: 11 % m)
+    fixed = init_state(cfg, start(), N, public_seed=0, mechanism_seed=3)
+    assert fixed.secret == 11 and fixed.mechanism.coin_state == states[0].mechanism.coin_state
+
+
+def test_secret_seed_replays_a_run_for_tests():
+    cfg = resumable("mi", eval_every=0)
+    a, b = (init_state(cfg, start(), N, public_seed=0, mechanism_seed=3, secret_seed=9)
+            for _ in range(2))
+    assert a.secret == b.secret and a.mechanism.rng_state == b.mechanism.rng_state
+    assert_same_state(train(cfg, loss, a, None, make_pool(), until=3),
+                      train(cfg, loss, b, None, make_pool(), until=3))
+
+
+def test_dpzo_sampling_key_is_full_width_and_drives_the_samples(monkeypatch):
+    cfg = resumable("dpzo", eval_every=0)
+    states = [init_state(cfg, start(), N, public_seed=0, mechanism_seed=1) for _ in range(6)]
+    st = states[0]
+    assert jax.dtypes.issubdtype(st.sampling_key.dtype, jax.dtypes.prng_key)
+    data = np.stack([np.asarray(jax.random.key_data(s.sampling_key)) for s in states])
+    assert data.shape[1:] == jax.random.key_data(jax.random.key(0)).shape
+    # every word is random (a key from a 32-bit seed has all but one word fixed), and none
+    # comes from the mechanism seed
+    assert (data != data[0]).any(axis=0).all()
+    calls = spy_on(monkeypatch, SamplingConfig, "sample")
+    train(cfg, loss, st, None, make_pool(), until=3)
+    for step, (args, _, _) in enumerate(calls):
+        want = jax.random.key_data(jax.random.fold_in(st.sampling_key, step))
+        np.testing.assert_array_equal(jax.random.key_data(args[1]), want)
+
+
 RESUMABLE = {"zpl": {"num_subsets": M}, "mi": {"mi_budget": 0.2, "num_subsets": M}, "dpzo": DP}
 
 
@@ -142,6 +189,10 @@ def assert_same_state(a, b):
     assert a.mechanism.log_posterior.tobytes() == b.mechanism.log_posterior.tobytes()
     assert a.mechanism.mi_used == b.mechanism.mi_used and a.charges == b.charges
     assert a.mechanism.rng_state == b.mechanism.rng_state
+    assert a.mechanism.coin_state == b.mechanism.coin_state
+    assert (a.sampling_key is None) == (b.sampling_key is None)
+    assert a.sampling_key is None or np.array_equal(jax.random.key_data(a.sampling_key),
+                                                    jax.random.key_data(b.sampling_key))
     assert a.secret == b.secret and (a.membership is None) == (b.membership is None)
     assert a.membership is None or np.array_equal(a.membership, b.membership)
     assert (a.unanimous, a.releases, a.stopped) == (b.unanimous, b.releases, b.stopped)

@@ -5,22 +5,24 @@ reads the latest one back; :func:`pavejax.paczero.train` does both when given a
 ``checkpointer``, so a run killed at any point (even by SIGKILL) resumes bit for bit.
 
 A step holds the arrays θ, the dev-selected best copy (once there is one) and the (N, M)
-membership matrix (ZPL/MI), and as JSON the secret index j*, the mechanism's float64 log
-posterior, nats used and PCG64 generator state, the per-step charges, the unanimity counts, the
-dev selection and the DP-ZO noise multiplier. Floats are stored as ``float.hex`` text, so they
+membership matrix (ZPL/MI), DP-ZO's Poisson-sampling key (the checkpoint's key), and as JSON
+the secret index j*, the mechanism's float64 log posterior, nats used, the PCG64 states of the
+noise and coin generators, the per-step charges, the unanimity counts, the dev selection and
+the DP-ZO noise multiplier. Floats are stored as ``float.hex`` text, so they
 come back bit for bit (infinities included). The checkpoint's ledger is `ZOState.ledger` (DP
 events for DP-ZO, nats for ZPL/MI), so the checkpointer refuses to save or resume a ledger that
 is lower than one it already holds.
 
 The checkpoint is **secret**: the secret index says which candidate subset of the pool the run
-trained on, and the generator state replays every coin, noise draw and Poisson sample. Keep it
+trained on, and the generator states and the sampling key replay every coin, noise draw and
+Poisson sample. Keep it
 private; it is not a release. Publish only the final parameters and the ledger
 (:mod:`pavejax.release` refuses entries named ``secret``, ``rng_state``, ...).
 
 What makes a run the same run: the config, the public seed, the pool size and `ZOState.origin`
 (a fingerprint of θ at step 0). The mechanism seed is not part of it: a resumed run takes the
-membership matrix, secret and generator from the checkpoint, so a fresh OS-seeded template
-state resumes the saved run.
+membership matrix, secret, generators and sampling key from the checkpoint, so a fresh
+OS-seeded template state resumes the saved run.
 """
 
 from __future__ import annotations
@@ -87,7 +89,7 @@ def _record(state: ZOState) -> dict[str, Any]:
     m = state.mechanism
     return {"secret": None if state.secret is None else int(state.secret),
             "log_posterior": [_hex(v) for v in np.asarray(m.log_posterior, np.float64).tolist()],
-            "mi_used": _hex(m.mi_used), "rng_state": m.rng_state,
+            "mi_used": _hex(m.mi_used), "rng_state": m.rng_state, "coin_state": m.coin_state,
             "charges": [_hex(c) for c in state.charges], "unanimous": int(state.unanimous),
             "releases": int(state.releases), "has_best": state.best is not None,
             "best_dev": _hex(state.best_dev), "best_step": state.best_step,
@@ -113,7 +115,7 @@ def save_state(checkpointer: TrainCheckpointer, state: ZOState, config: ZOConfig
     :class:`~pavejax.checkpointing.LedgerRollbackError` if the state's ledger is lower than the
     latest saved one. The written checkpoint is secret (see the module docstring).
     """
-    checkpointer.save(Checkpoint(int(state.step), _arrays(state), None,
+    checkpointer.save(Checkpoint(int(state.step), _arrays(state), state.sampling_key,
                                  state.ledger(config, pool_size), _run(config, state, pool_size),
                                  _record(state), budget))
 
@@ -130,22 +132,38 @@ def _template(config: ZOConfig, state: ZOState, pool_size: int):
     return like
 
 
+def _key_data(key: jax.Array | None) -> np.ndarray | None:
+    return None if key is None else np.asarray(jax.random.key_data(key))
+
+
 def _same_secrets(a: ZOState, b: ZOState) -> bool:
     if a.secret != b.secret or (a.membership is None) != (b.membership is None):
         return False
+    ka, kb = _key_data(a.sampling_key), _key_data(b.sampling_key)
+    if (ka is None) != (kb is None) or (ka is not None and not np.array_equal(ka, kb)):
+        return False
     return a.membership is None or np.array_equal(a.membership, b.membership)
+
+
+def _coin_state(config: ZOConfig, record: dict[str, Any]) -> dict[str, Any] | None:
+    if "coin_state" in record:
+        return record["coin_state"]
+    # Written before the coins had their own generator: ZPL drew them from its one generator.
+    return record["rng_state"] if config.mechanism == "zpl" else None
 
 
 def _restore(checkpointer: TrainCheckpointer, config: ZOConfig, state: ZOState,
              pool_size: int) -> tuple[ZOState | None, Budget | None]:
     ckpt = checkpointer.restore_latest(_template(config, state, pool_size),
                                        run=_run(config, state, pool_size),
-                                       ledger=state.ledger(config, pool_size))
+                                       ledger=state.ledger(config, pool_size),
+                                       key_like=state.sampling_key
+                                       if state.sampling_key is not None else jax.random.key(0))
     if ckpt is None:
         return None, None
     m, a = ckpt.mechanism, ckpt.arrays
     mechanism = MechanismState(np.asarray([_unhex(v) for v in m["log_posterior"]], np.float64),
-                               _unhex(m["mi_used"]), m["rng_state"])
+                               _unhex(m["mi_used"]), m["rng_state"], _coin_state(config, m))
     # The uninterrupted run keeps its best copy on the host.
     best = jax.tree.map(np.array, a["best"]) if m["has_best"] else None
     restored = dataclasses.replace(
@@ -155,7 +173,7 @@ def _restore(checkpointer: TrainCheckpointer, config: ZOConfig, state: ZOState,
         unanimous=m["unanimous"], releases=m["releases"], best=best,
         best_dev=_unhex(m["best_dev"]), best_step=m["best_step"],
         dp_noise_multiplier=_unhex(m["dp_noise_multiplier"]), stopped=m["stopped"],
-        origin=m["origin"])
+        origin=m["origin"], sampling_key=ckpt.key)
     if state.step and not _same_secrets(state, restored):
         raise RunMismatchError(f"the state passed (step {state.step}) has another secret subset "
                                f"or membership matrix than the checkpoint in "

@@ -3,8 +3,10 @@
 Each step computes, on the device, K directions' per-example clipped projected gradients ĝ and
 from them the M candidate-subset signs (PACZero), the pool mean (MeZO) or a clipped sum over a
 Poisson sample (DP-ZO). The rules here turn those into the K released scalars Y_k; the update is
-θ ← θ − η_t (1/K) Σ_k Y_k z_k. They run on the host in float64 with a numpy generator whose
-state lives in `MechanismState` (so a resumed run draws exactly the same numbers).
+θ ← θ − η_t (1/K) Σ_k Y_k z_k. They run on the host in float64 with numpy generators whose
+states live in `MechanismState` (so a resumed run draws exactly the same numbers): the noise
+generator (MI and DP-ZO noise; secret) and the coin generator (ZPL's fair coins; public, as the
+coins are released). The two never share a stream, and neither draws the secret index.
 
 Guarantees:
 
@@ -68,32 +70,58 @@ class Release:
     q_plus: float | None = None
 
 
+def _generator(state: dict[str, Any]) -> np.random.Generator:
+    bit = np.random.PCG64()
+    bit.state = state
+    return np.random.Generator(bit)
+
+
+def _pcg64_state(rng: np.random.Generator) -> dict[str, Any]:
+    if not isinstance(rng.bit_generator, np.random.PCG64):
+        raise TypeError("mechanism generators must use PCG64 (np.random.default_rng)")
+    return rng.bit_generator.state
+
+
 @dataclasses.dataclass(frozen=True)
 class MechanismState:
-    """Host-side secret state: log posterior over the M candidates (float64), nats used, and the
-    mechanism generator's state (a `numpy.random.PCG64` state dict). Private: never release it."""
+    """Host-side state of the release rules. Private: never release it.
+
+    ``log_posterior``: log posterior over the M candidates (float64); ``mi_used``: nats charged;
+    ``rng_state``: the noise generator's `numpy.random.PCG64` state (MI and DP-ZO noise: secret,
+    seeded from the OS); ``coin_state``: the coin generator's state (ZPL's fair coins, which are
+    released), or None when the mechanism draws no coins.
+    """
 
     log_posterior: np.ndarray
     mi_used: float
     rng_state: dict[str, Any]
+    coin_state: dict[str, Any] | None = None
 
     def generator(self) -> np.random.Generator:
-        """A generator positioned exactly at ``rng_state``."""
-        bit = np.random.PCG64()
-        bit.state = self.rng_state
-        return np.random.Generator(bit)
+        """The noise generator, positioned exactly at ``rng_state``."""
+        return _generator(self.rng_state)
+
+    def coin_generator(self) -> np.random.Generator:
+        """The coin generator, positioned exactly at ``coin_state``."""
+        if self.coin_state is None:
+            raise ValueError("this mechanism state has no coin generator; build it with "
+                             "init_mechanism_state(..., coins=generator)")
+        return _generator(self.coin_state)
 
     def posterior(self) -> np.ndarray:
         """The normalised posterior over candidates, shape (M,)."""
         return np.exp(self.log_posterior - special.logsumexp(self.log_posterior))
 
 
-def init_mechanism_state(rng: np.random.Generator, num_subsets: int) -> MechanismState:
-    """Uniform posterior over ``num_subsets`` candidates, nothing used, generator ``rng``."""
-    if not isinstance(rng.bit_generator, np.random.PCG64):
-        raise TypeError("the mechanism generator must use PCG64 (np.random.default_rng)")
+def init_mechanism_state(rng: np.random.Generator, num_subsets: int, *,
+                         coins: np.random.Generator | None = None) -> MechanismState:
+    """Uniform posterior over ``num_subsets`` candidates, nothing used, noise generator ``rng``
+    and coin generator ``coins`` (both PCG64; keep them apart: coins are released)."""
+    if coins is rng:
+        raise ValueError("the coin generator is released through the coins: it must not be the "
+                         "noise generator")
     return MechanismState(np.full(int(num_subsets), -math.log(num_subsets)), 0.0,
-                          rng.bit_generator.state)
+                          _pcg64_state(rng), None if coins is None else _pcg64_state(coins))
 
 
 def positive_mass(log_posterior: np.ndarray, signs: np.ndarray) -> float:
@@ -174,7 +202,8 @@ def mezo_release(pool_mean: float) -> Release:
 
 def dpzo_release(clipped_sum: float, rng: np.random.Generator, *, noise_multiplier: float,
                  clip: float, expected_batch_size: float) -> Release:
-    """DP-ZO: (Σ clip(ĝ_i) + N(0, (σ·clip)²)) / expected batch size."""
+    """DP-ZO: (Σ clip(ĝ_i) + N(0, (σ·clip)²)) / expected batch size; ``rng`` is the noise
+    generator (secret)."""
     noise = noise_multiplier * clip * float(rng.standard_normal())
     return Release((float(clipped_sum) + noise) / expected_batch_size,
                    sigma=noise_multiplier * clip / expected_batch_size)

@@ -3,13 +3,17 @@
 M candidate subsets of an N-example public pool: every example is placed in exactly M/2 of them,
 chosen uniformly without replacement and independently per example, so each example's
 membership prior is exactly 1/2 whatever the secret. The secret j* is uniform on {0..M−1} and is
-drawn from the mechanism's own generator (never from the public perturbation seeds).
+drawn from the operating system (`secrets`), never from a generator whose outputs are released
+(the membership matrix, ZPL's coins) nor from the public perturbation seeds: recovering such a
+generator's state from its outputs must not reveal j*.
 
 Host side: `membership_matrix`, `draw_secret` (numpy). Device side: `subset_means`,
 `subset_signs`, `unanimous` (jnp, jit-friendly).
 """
 
 from __future__ import annotations
+
+import secrets
 
 import jax
 import jax.numpy as jnp
@@ -45,9 +49,15 @@ def membership_matrix(rng: np.random.Generator, pool_size: int, num_subsets: int
     return out
 
 
-def draw_secret(rng: np.random.Generator, num_subsets: int) -> int:
-    """The secret index j* ~ Uniform{0, ..., M−1} from the mechanism generator."""
-    return int(rng.integers(_check_subsets(num_subsets)))
+def draw_secret(rng: np.random.Generator | None, num_subsets: int) -> int:
+    """The secret index j* ~ Uniform{0, ..., M−1}.
+
+    ``rng=None`` (use this): from the operating system (``secrets.randbelow``). A generator makes
+    j* replayable by whoever knows its seed: for tests only, and never one whose outputs are
+    released.
+    """
+    m = _check_subsets(num_subsets)
+    return secrets.randbelow(m) if rng is None else int(rng.integers(m))
 
 
 def subset_means(g: jax.Array, membership: jax.Array) -> jax.Array:

@@ -15,8 +15,8 @@ each z_k.
 Dev-set selection evaluates ``dev_fn(trainable)`` (lower is better) every ``eval_every`` steps;
 the dev data lies outside the pool, so selection does not touch the secret. With a
 :class:`~pavejax.checkpointing.TrainCheckpointer` the run saves its whole state (posterior,
-budget used, every generator, ledger; see `pavejax.paczero.checkpoint`) and resumes from it, so
-a killed and resumed run equals an uninterrupted one bit for bit.
+budget used, every generator, the sampling key, ledger; see `pavejax.paczero.checkpoint`) and
+resumes from it, so a killed and resumed run equals an uninterrupted one bit for bit.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ from pavejax.paczero.subsets import (
     subset_means,
     subset_signs,
 )
-from pavejax.privacy import SamplingConfig, take_batch
+from pavejax.privacy import SamplingConfig, fresh_key, take_batch
 
 __all__ = [
     "DeviceFunctions", "ZOConfig", "ZOState", "device_functions", "init_state", "learning_rate",
@@ -118,12 +118,13 @@ class ZOState:
     """Everything a run needs to continue exactly. Fields marked secret must stay private.
 
     step: steps done. trainable: current θ. best / best_dev / best_step: dev selection.
-    public_seed: seed of the public direction keys. mechanism: posterior, nats used, generator
-    (secret). membership: (N, M) bool (public) or None. secret: j* (secret) or None.
-    charges: nats charged per step. unanimous / releases: counts for the unanimity rate.
-    dp_noise_multiplier: σ of DP-ZO (relative to clip) or None. stopped: budget exhausted.
-    origin: sha256 fingerprint of θ at step 0 (set by `train`; names the run's starting point in
-    its checkpoints) or None.
+    public_seed: seed of the public direction keys. mechanism: posterior, nats used, noise
+    generator (secret) and coin generator. membership: (N, M) bool (public) or None. secret: j*
+    (secret) or None. charges: nats charged per step. unanimous / releases: counts for the
+    unanimity rate. dp_noise_multiplier: σ of DP-ZO (relative to clip) or None. stopped: budget
+    exhausted. origin: sha256 fingerprint of θ at step 0 (set by `train`; names the run's
+    starting point in its checkpoints) or None. sampling_key: DP-ZO's Poisson-sampling key
+    (secret; a full-width typed key, folded with the step) or None.
     """
 
     step: int
@@ -141,6 +142,7 @@ class ZOState:
     dp_noise_multiplier: float | None = None
     stopped: bool = False
     origin: str | None = None
+    sampling_key: jax.Array | None = None
 
     @property
     def unanimity_rate(self) -> float:
@@ -174,22 +176,46 @@ def learning_rate(config: ZOConfig, step: int) -> float:
 
 
 def init_state(config: ZOConfig, trainable: PyTree, pool_size: int, *, public_seed: int,
-               mechanism_seed: int | np.random.SeedSequence) -> ZOState:
-    """Fresh state. ``public_seed`` drives the directions (public); ``mechanism_seed`` drives the
-    membership matrix, the secret, coins, noise and Poisson sampling (keep it secret)."""
-    rng = np.random.default_rng(mechanism_seed)
+               mechanism_seed: int | np.random.SeedSequence,
+               secret_seed: int | None = None) -> ZOState:
+    """Fresh state.
+
+    ``public_seed`` drives the directions. ``mechanism_seed`` drives what the mechanism may
+    reveal: the membership matrix (public) and ZPL's fair coins (released). What must stay
+    secret comes from the operating system, from streams that release nothing else: the secret
+    index j* (``secrets``), the noise generator (MI and DP-ZO noise) and DP-ZO's Poisson-sampling
+    key (`pavejax.privacy.fresh_key`, full width, folded with the step). ``secret_seed``
+    replaces the operating system for those three so that a test can replay a run: whoever
+    knows it regenerates the secret, the noise and the samples, so such a run is not private
+    and must not be released.
+    """
+    public = np.random.default_rng(mechanism_seed)
+    replay = None if secret_seed is None else np.random.SeedSequence(int(secret_seed)).spawn(3)
     membership = secret = None
     if config.mechanism in ("zpl", "mi"):
-        membership = membership_matrix(rng, pool_size, config.num_subsets)
-        secret = draw_secret(rng, config.num_subsets)
-    sigma = None
+        membership = membership_matrix(public, pool_size, config.num_subsets)
+        secret = draw_secret(None if replay is None else np.random.default_rng(replay[0]),
+                             config.num_subsets)
+    noise = np.random.default_rng(np.random.SeedSequence() if replay is None else replay[1])
+    sigma = key = None
     if config.mechanism == "dpzo":
         sigma = _dp_noise_multiplier(float(config.dp_epsilon), float(config.dp_delta),
                                      config.dp_batch_size / pool_size, config.steps)
         sigma *= math.sqrt(config.num_directions)
+        key = fresh_key() if replay is None else _key_from(replay[2])
+    mechanism = mech.init_mechanism_state(
+        noise, config.num_subsets, coins=public if config.mechanism == "zpl" else None)
     return ZOState(step=0, trainable=trainable, public_seed=int(public_seed),
-                   mechanism=mech.init_mechanism_state(rng, config.num_subsets),
-                   membership=membership, secret=secret, dp_noise_multiplier=sigma)
+                   mechanism=mechanism, membership=membership, secret=secret,
+                   dp_noise_multiplier=sigma, sampling_key=key)
+
+
+def _key_from(seed: np.random.SeedSequence) -> jax.Array:
+    """A typed key of the default implementation with every word of its data from ``seed``."""
+    like = jax.random.key_data(jax.random.key(0))
+    data = seed.generate_state(like.size, np.uint32).astype(like.dtype).reshape(like.shape)
+    return jax.random.wrap_key_data(jnp.asarray(data),
+                                    impl=jax.random.key_impl(jax.random.key(0)))
 
 
 @functools.lru_cache(maxsize=64)
@@ -281,23 +307,23 @@ def zo_update(fns: DeviceFunctions, trainable: PyTree, out: dict[str, Any], keys
     return fns.update_keys(trainable, keys, coefficients, learning_rate)
 
 
-def _releases(config: ZOConfig, state: ZOState, out: dict, rng: np.random.Generator,
-              pool_size: int) -> tuple[list[mech.Release], mech.MechanismState]:
+def _releases(config: ZOConfig, state: ZOState, out: dict, noise: np.random.Generator,
+              coins: np.random.Generator | None) -> tuple[list[mech.Release], mech.MechanismState]:
     k, m = config.num_directions, state.mechanism
     if config.mechanism == "mezo":
         return [mech.mezo_release(v) for v in np.asarray(out["mean"])], m
     if config.mechanism == "dpzo":
-        return [mech.dpzo_release(v, rng, noise_multiplier=state.dp_noise_multiplier,
+        return [mech.dpzo_release(v, noise, noise_multiplier=state.dp_noise_multiplier,
                                   clip=config.clip, expected_batch_size=config.dp_batch_size)
                 for v in np.asarray(out["sum"], np.float64)], m
     signs = np.asarray(out["signs"])
     if config.mechanism == "zpl":
-        return [mech.zpl_release(signs[j], rng) for j in range(k)], m
+        return [mech.zpl_release(signs[j], coins) for j in range(k)], m
     beta = mech.per_step_budget(config.mi_budget, m.mi_used, state.step, config.steps) / k
     logp, rels = m.log_posterior, []
     for j in range(k):
         left = config.mi_budget - math.fsum([m.mi_used, *(r.charged for r in rels)])
-        rel, logp = mech.mi_release(signs[j], state.secret, logp, beta, rng,
+        rel, logp = mech.mi_release(signs[j], state.secret, logp, beta, noise,
                                     faithful=config.faithful, limit=left)
         rels.append(rel)
     used = math.fsum([m.mi_used, *(r.charged for r in rels)])
@@ -330,7 +356,8 @@ def train(config: ZOConfig, loss_fn: Callable, state: ZOState, frozen: PyTree, p
 
     With ``checkpointer`` the run first resumes from its latest checkpoint when there is one
     (`pavejax.paczero.checkpoint.restore_state`: ``state`` is the template, and a fresh
-    `init_state` takes the saved membership, secret and generator), then saves every
+    `init_state` takes the saved membership, secret, generators and sampling key), then saves
+    every
     ``checkpointer.every`` steps and when it returns, so a run killed at any point and resumed
     ends bit-identical to an uninterrupted one (θ, best, posterior, charges, counts, ledger).
     Refusals before the first step: ``RunMismatchError`` (another config, public seed, pool size
@@ -338,7 +365,8 @@ def train(config: ZOConfig, loss_fn: Callable, state: ZOState, frozen: PyTree, p
     :mod:`pavejax.checkpointing`), and :class:`~pavejax.accounting.BudgetExceededError` when
     DP-ZO's remaining steps would exceed the checkpointer's (epsilon, delta) budget (the one
     stored with the first checkpoint binds) or the charges exceed ``mi_budget``. The checkpoint
-    holds the secret index and generator state: keep it private, it is not a release.
+    holds the secret index, the generators' states and the sampling key: keep it private, it is
+    not a release.
     """
     n = int(jax.tree.leaves(pool)[0].shape[0])
     until = config.steps if until is None else min(int(until), config.steps)
@@ -352,6 +380,8 @@ def train(config: ZOConfig, loss_fn: Callable, state: ZOState, frozen: PyTree, p
     public_key = jax.random.key(state.public_seed)
     sampler = (SamplingConfig("poisson", n, config.dp_batch_size)
                if config.mechanism == "dpzo" else None)
+    if sampler is not None and state.sampling_key is None:
+        raise ValueError("a DP-ZO state needs its secret sampling_key; create it with init_state")
     full_mask = jnp.ones((n,), bool)
     state = dataclasses.replace(state, trainable=jax.tree.map(jnp.copy, state.trainable))
     bar = None
@@ -359,15 +389,18 @@ def train(config: ZOConfig, loss_fn: Callable, state: ZOState, frozen: PyTree, p
         from tqdm.auto import tqdm
         bar = tqdm(total=until, initial=state.step, desc=config.mechanism)
     while state.step < until and not state.stopped:
-        rng = state.mechanism.generator()
+        noise = state.mechanism.generator()
+        coins = state.mechanism.coin_generator() if config.mechanism == "zpl" else None
         keys = direction_keys(public_key, state.step, config.num_directions)
         batch, mask = pool, full_mask
         if sampler is not None:
-            idx, mask = sampler.sample(jax.random.key(int(rng.integers(2**32))))
+            idx, mask = sampler.sample(jax.random.fold_in(state.sampling_key, state.step))
             batch = take_batch(pool, idx)
         out = zo_signals(fns, state.trainable, frozen, batch, mask, keys, eps, clip, membership)
-        rels, mstate = _releases(config, state, out, rng, n)
-        mstate = dataclasses.replace(mstate, rng_state=rng.bit_generator.state)
+        rels, mstate = _releases(config, state, out, noise, coins)
+        mstate = dataclasses.replace(
+            mstate, rng_state=noise.bit_generator.state,
+            coin_state=mstate.coin_state if coins is None else coins.bit_generator.state)
         coeffs = jnp.asarray([r.value for r in rels], jnp.float32)
         lr = jnp.float32(learning_rate(config, state.step))
         trainable = zo_update(fns, state.trainable, out, keys, coeffs, lr, eps)
