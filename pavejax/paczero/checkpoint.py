@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 import jax
 import numpy as np
 
-from pavejax.accounting import BudgetExceededError
+from pavejax.accounting import BudgetExceededError, Ledger, Relation
 from pavejax.checkpointing import (
     Budget,
     Checkpoint,
@@ -145,6 +145,12 @@ def _same_secrets(a: ZOState, b: ZOState) -> bool:
     return a.membership is None or np.array_equal(a.membership, b.membership)
 
 
+def _same_ledger(a: Ledger, b: Ledger) -> bool:
+    # A ledger of MI charges only is relation-free: one written before DP-ZO moved to
+    # replace-one (add/remove, RDP) still describes the same releases.
+    return a == b or (not a.entries and not b.entries and a.mi_entries == b.mi_entries)
+
+
 def _coin_state(config: ZOConfig, record: dict[str, Any]) -> dict[str, Any] | None:
     if "coin_state" in record:
         return record["coin_state"]
@@ -161,6 +167,11 @@ def _restore(checkpointer: TrainCheckpointer, config: ZOConfig, state: ZOState,
                                        if state.sampling_key is not None else jax.random.key(0))
     if ckpt is None:
         return None, None
+    if ckpt.ledger.entries and ckpt.ledger.relation is not Relation.REPLACE_ONE:
+        raise RunMismatchError(f"the checkpoint in {checkpointer.directory} accounts DP-ZO under "
+                               f"{ckpt.ledger.relation.value} neighbouring, and its noise was "
+                               "calibrated for it; DP-ZO is now accounted under replace-one "
+                               "(the pool size is public). Start a new run in a new directory")
     m, a = ckpt.mechanism, ckpt.arrays
     mechanism = MechanismState(np.asarray([_unhex(v) for v in m["log_posterior"]], np.float64),
                                _unhex(m["mi_used"]), m["rng_state"], _coin_state(config, m))
@@ -179,7 +190,7 @@ def _restore(checkpointer: TrainCheckpointer, config: ZOConfig, state: ZOState,
                                f"or membership matrix than the checkpoint in "
                                f"{checkpointer.directory}: it belongs to another run. Pass a fresh "
                                "init_state (or this run's state) to resume, or use a new directory")
-    if restored.ledger(config, pool_size) != ckpt.ledger:
+    if not _same_ledger(restored.ledger(config, pool_size), ckpt.ledger):
         raise ValueError(f"the checkpoint in {checkpointer.directory} (step {ckpt.step}) holds a "
                          "ledger that does not match its own charges and step count; it is "
                          "corrupt: resume from an intact copy or start a new directory")

@@ -11,9 +11,12 @@ coins are released). The two never share a stream, and neither draws the secret 
 Guarantees:
 
 * **MeZO** (``"mezo"``): none; Y = mean of the clipped ĝ over the pool.
-* **DP-ZO** (``"dpzo"``): (ε, δ)-DP under add/remove neighbouring. Y = (Σ_{i∈batch} clip(ĝ_i)
+* **DP-ZO** (``"dpzo"``): (ε, δ)-DP under replace-one neighbouring (data sets of the same,
+  public size N that differ in one example), accounted with PLD. Y = (Σ_{i∈batch} clip(ĝ_i)
   + N(0, (σC)²)) / b with Poisson sampling at rate b/N; with K directions the per-example vector
-  has L2 norm <= C√K, so one step is the Gaussian event of multiplier σ/√K (`dpzo_step_event`).
+  has L2 norm <= C√K, so one step is the Gaussian event of multiplier σ/√K (`dpzo_step_event`,
+  in the add/remove-sensitivity convention of `pavejax.accounting`: a replace-one ledger doubles
+  the sensitivity to 2C√K itself).
 * **PACZero-ZPL** (``"zpl"``): I(S*; Y_1:T) = 0. Unanimous signs are released as is; otherwise Y
   is a fair coin. `zpl_release` never receives the secret.
 * **PACZero-MI** (``"mi"``): I(S*; Y_1:T) <= B nats. With posterior mass q₊ on s* = +1 and

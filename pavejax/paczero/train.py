@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pavejax.accounting import Ledger, calibrate_noise
+from pavejax.accounting import Ledger, calibrate_noise, dp_sgd_event
 from pavejax.checkpointing import TrainCheckpointer
 from pavejax.paczero import mechanisms as mech
 from pavejax.paczero.checkpoint import resume, save_state, with_origin
@@ -69,9 +69,10 @@ class ZOConfig:
     sensitivity). num_directions: K. num_subsets: M (even). mi_budget: B in nats (``"mi"``).
     faithful: reproduce the reference σ solver; its σ can leak more than the per-step budget
     (up to ~50x at β = 1e-8), which is then charged, and it falls back to the conservative σ
-    where that would overrun ``mi_budget``. dp_epsilon / dp_delta / dp_batch_size: DP-ZO target
-    and expected Poisson batch. microbatch_size: forward chunk size. eval_every: dev evaluation
-    period (0 = only at the end).
+    where that would overrun ``mi_budget``. dp_epsilon / dp_delta / dp_batch_size: DP-ZO target,
+    (ε, δ)-DP for one pool example replaced (the pool size is public), and the expected Poisson
+    batch. microbatch_size: forward chunk size. eval_every: dev evaluation period (0 = only at
+    the end).
     """
 
     mechanism: str
@@ -155,8 +156,11 @@ class ZOState:
         return self.mechanism.mi_used
 
     def ledger(self, config: ZOConfig, pool_size: int, *, label: str = "paczero") -> Ledger:
-        """The run's privacy ledger: DP events for DP-ZO, per-step MI charges for ZPL/MI."""
-        led = Ledger("add_remove", "rdp")
+        """The run's privacy ledger: DP events for DP-ZO, per-step MI charges for ZPL/MI.
+
+        Replace-one neighbouring with the PLD accountant: a release states its pool size, so
+        its DP figure must hold between pools of that size (MI charges are relation-free)."""
+        led = Ledger("replace_one", "pld")
         if config.mechanism == "dpzo" and self.step:
             led.record(mech.dpzo_step_event(self.dp_noise_multiplier,
                                             q=config.dp_batch_size / pool_size,
@@ -220,8 +224,16 @@ def _key_from(seed: np.random.SeedSequence) -> jax.Array:
 
 @functools.lru_cache(maxsize=64)
 def _dp_noise_multiplier(epsilon: float, delta: float, q: float, steps: int) -> float:
-    # The accountant's search takes seconds; runs with one DP setting solve it once.
-    return calibrate_noise(epsilon, delta, q=q, steps=steps)
+    """σ of DP-ZO: replace-one, PLD. Solved at a 1e-3 PLD grid (about ten times faster than the
+    ledger's 1e-4; 0.4–1 s instead of 3–9 s for 300 steps at q = 1/4), then checked on the
+    ledger's own grid, solving there only if the coarse σ fails the target (cached per setting).
+    """
+    solve = functools.partial(calibrate_noise, epsilon, delta, q=q, steps=steps,
+                              relation="replace_one", accountant="pld")
+    sigma = solve(pld_discretization=1e-3)
+    check = Ledger("replace_one", "pld")
+    check.record(dp_sgd_event(sigma, q=q, steps=steps))
+    return sigma if check.epsilon(delta) <= epsilon else solve()
 
 
 class DeviceFunctions(NamedTuple):
