@@ -1,5 +1,5 @@
 """The zeroth-order training loop: secret independence of ZPL, budgets and MI charges, where
-the secrets come from, DP-ZO's replace-one accounting, resume through the Orbax
+the secrets come from, DP-ZO's clip and replace-one accounting, resume through the Orbax
 TrainCheckpointer (bit-exact, ledger never lower, budgets and run records binding), selection,
 and no ZOState secret in a release."""
 
@@ -352,6 +352,29 @@ def identical_pool(labels):
     (expit(x·w) − y) x·z, about ±0.5 |x·z| at w = 0, far beyond a clip of 1e-3."""
     x = np.tile(np.array([[1.0, -0.5, 0.25, 2.0]], np.float32), (N, 1))
     return {"x": jnp.asarray(x), "y": jnp.asarray(np.asarray(labels, np.int32))}
+
+
+def test_dpzo_clip_binds_in_the_trainer(monkeypatch):
+    # Identical examples whose differences dwarf the clip: every sampled example contributes
+    # exactly ±C with one sign, so the clipped sum the noise is added to is ±C × (sampled
+    # count). Doubling the clip or dropping it in the trainer changes that sum.
+    cfg = resumable("dpzo", eval_every=0, clip=1e-3)
+    sums = spy_on(monkeypatch, mech, "dpzo_release")
+    samples = spy_on(monkeypatch, SamplingConfig, "sample")
+    st = train(cfg, loss, init_state(cfg, start(), N, public_seed=0, mechanism_seed=1), None,
+               identical_pool(np.ones(N)))
+    counts = [int(np.sum(out[1])) for _, _, out in samples]
+    assert len(counts) == cfg.steps and sum(counts) > 0
+    assert len(sums) == cfg.steps * K
+    for i, (args, kwargs, _) in enumerate(sums):
+        assert abs(args[0]) == pytest.approx(counts[i // K] * cfg.clip, rel=1e-5, abs=1e-9)
+        assert kwargs == {"noise_multiplier": st.dp_noise_multiplier, "clip": cfg.clip,
+                          "expected_batch_size": cfg.dp_batch_size}
+    # The ledger holds that Gaussian: std σC on a sum of sensitivity C√K per example.
+    (entry,) = st.ledger(cfg, N).entries
+    want = dp_event.PoissonSampledDpEvent(
+        cfg.dp_batch_size / N, dp_event.GaussianDpEvent(st.dp_noise_multiplier / math.sqrt(K)))
+    assert entry.event == want and entry.count == cfg.steps
 
 
 def test_dpzo_is_accounted_replace_one_with_pld():
