@@ -16,7 +16,7 @@ import pytest
 from dp_accounting import dp_event
 from scipy import stats
 
-from pavejax.accounting import BudgetExceededError
+from pavejax.accounting import BudgetExceededError, Ledger
 from pavejax.checkpointing import LedgerRollbackError, RunMismatchError, TrainCheckpointer
 from pavejax.paczero import (
     ZOConfig,
@@ -303,6 +303,33 @@ def test_a_checkpoint_whose_ledger_disagrees_with_its_state_is_refused(tmp_path,
             save_state(ckpt, two, cfg, N)
         with pytest.raises(ValueError, match="does not match its own charges"):
             train(cfg, loss, s0, None, pool, checkpointer=ckpt)
+
+
+def test_checkpoints_accounted_add_remove(tmp_path, monkeypatch):
+    # Before DP-ZO moved to replace-one, ledgers were add/remove (RDP). An MI-only ledger is
+    # relation-free and still resumes; a DP-ZO one was calibrated for add/remove: refused.
+    def add_remove(self, config, pool_size, **kw):
+        led = Ledger("add_remove", "rdp")
+        for e in real(self, config, pool_size, **kw).mi_entries:
+            led.record_mi(e.nats, count=e.count, label=e.label)
+        if config.mechanism == "dpzo" and self.step:
+            led.record(mech.dpzo_step_event(self.dp_noise_multiplier, q=8 / N,
+                                            num_directions=K), count=self.step)
+        return led
+
+    real = ZOState.ledger
+    for mechanism in ("mi", "dpzo"):
+        cfg, pool = resumable(mechanism, eval_every=0), make_pool()
+        s0 = init_state(cfg, start(), N, public_seed=4, mechanism_seed=5)
+        with TrainCheckpointer(tmp_path / mechanism) as ckpt:
+            with monkeypatch.context() as m:
+                m.setattr(ZOState, "ledger", add_remove)
+                train(cfg, loss, s0, None, pool, until=2, checkpointer=ckpt)
+            if mechanism == "mi":
+                assert train(cfg, loss, s0, None, pool, checkpointer=ckpt).step == cfg.steps
+            else:
+                with pytest.raises(RunMismatchError, match="under add_remove neighbouring"):
+                    train(cfg, loss, s0, None, pool, checkpointer=ckpt)
 
 
 @pytest.mark.parametrize("change, field", [

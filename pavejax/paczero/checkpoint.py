@@ -8,16 +8,15 @@ A step holds the arrays θ, the dev-selected best copy (once there is one) and t
 membership matrix (ZPL/MI), DP-ZO's Poisson-sampling key (the checkpoint's key), and as JSON
 the secret index j*, the mechanism's float64 log posterior, nats used, the PCG64 states of the
 noise and coin generators, the per-step charges, the unanimity counts, the dev selection and
-the DP-ZO noise multiplier. Floats are stored as ``float.hex`` text, so they
-come back bit for bit (infinities included). The checkpoint's ledger is `ZOState.ledger` (DP
-events for DP-ZO, nats for ZPL/MI), so the checkpointer refuses to save or resume a ledger that
-is lower than one it already holds.
+the DP-ZO noise multiplier. Floats are stored as ``float.hex`` text, so they come back bit for
+bit (infinities included). The checkpoint's ledger is `ZOState.ledger` (DP events for DP-ZO,
+nats for ZPL/MI), so the checkpointer refuses to save or resume a ledger that is lower than one
+it already holds.
 
 The checkpoint is **secret**: the secret index says which candidate subset of the pool the run
 trained on, and the generator states and the sampling key replay every coin, noise draw and
-Poisson sample. Keep it
-private; it is not a release. Publish only the final parameters and the ledger
-(:mod:`pavejax.release` refuses entries named ``secret``, ``rng_state``, ...).
+Poisson sample. Keep it private; it is not a release. Publish only the final parameters and the
+ledger (:mod:`pavejax.release` refuses entries named ``secret``, ``rng_state``, ...).
 
 What makes a run the same run: the config, the public seed, the pool size and `ZOState.origin`
 (a fingerprint of θ at step 0). The mechanism seed is not part of it: a resumed run takes the
@@ -186,8 +185,8 @@ def _restore(checkpointer: TrainCheckpointer, config: ZOConfig, state: ZOState,
         dp_noise_multiplier=_unhex(m["dp_noise_multiplier"]), stopped=m["stopped"],
         origin=m["origin"], sampling_key=ckpt.key)
     if state.step and not _same_secrets(state, restored):
-        raise RunMismatchError(f"the state passed (step {state.step}) has another secret subset "
-                               f"or membership matrix than the checkpoint in "
+        raise RunMismatchError(f"the state passed (step {state.step}) has another secret subset, "
+                               f"membership matrix or sampling key than the checkpoint in "
                                f"{checkpointer.directory}: it belongs to another run. Pass a fresh "
                                "init_state (or this run's state) to resume, or use a new directory")
     if not _same_ledger(restored.ledger(config, pool_size), ckpt.ledger):
