@@ -35,7 +35,8 @@ __all__ = ["REPLAYABLE", "check_record", "check_replace_one", "check_tensor_name
 REPLAYABLE = "replayable"
 _SECRET_EXACT = {"A"}
 _SECRET_NAMES = {"lora_a", "a_key", "prng_key", "rng_key", "key_data", "secret", "secret_key",
-                 "secret_index", "mechanism_rng", "rng_state"}
+                 "secret_index", "mechanism_rng", "rng_state", "coin_state", "sampling_key",
+                 "noise_key_data"}
 _REPLAYABLE_HELP = (
     "it was made with a caller-supplied noise key (replayable): whoever knows that key can "
     "regenerate the noise and subtract it, so it is not private. Make it again without "

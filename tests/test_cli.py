@@ -416,7 +416,10 @@ def test_ledger_prints_and_verifies(work, merged, adapted, tmp_path):
     report = ok_json("ledger", work / "m1", "--delta", "1e-3")
     assert report["ledger"]["delta"] == 1e-3 and report["guarantee"]["kind"] == "dp"
     # a smaller delta costs more epsilon
-    assert report["ledger"]["epsilon"]["rdp"] < report["guarantee"]["epsilon"]
+    assert report["ledger"]["epsilon"]["pld"] < report["guarantee"]["epsilon"]
+    # RDP has no analysis of Poisson sampling under replace-one: no figure, and the reason
+    assert report["ledger"]["epsilon"]["rdp"] is None
+    assert "replace-one" in report["ledger"]["unsupported"]["rdp"]
     rc, out, _ = cli("ledger", work / "a_zpl")
     assert rc == 0 and "mutual information 0 nats" in out and "upstream" in out
     rc, out, _ = cli("ledger", work / "s_user")

@@ -79,7 +79,8 @@ def test_replayable_key_really_is_replayable(toy):
     assert np.abs(c.spec.vector - d.spec.vector).max() > 1e-3
 
 
-@pytest.mark.parametrize("name", ["lora_a", "LoRA_A", "A", "a_key", "secret_index", "rng_state"])
+@pytest.mark.parametrize("name", ["lora_a", "LoRA_A", "A", "a_key", "secret_index", "rng_state",
+                                  "coin_state", "sampling_key"])
 def test_secret_names_are_refused_by_both_paths(toy, dock, tmp_path, name):
     spec = toy().spec
     model = {"head": {"kernel": np.ones((3, 2), np.float32)},
