@@ -294,12 +294,36 @@ def test_calibrate_noise_pld_full_batch_exact_gaussian(relation, sensitivity):
     assert sigma < rdp_sigma  # PLD is tighter than RDP
 
 
-def _unbracketed_pld(target, delta, relation, **kw):
-    """dp-accounting's own search from (0, 1) at discretisation 1e-3, without pavejax's bracket."""
+def _unbracketed_pld(target, delta, relation, disc=1e-3, **kw):
+    """dp-accounting's own search from (0, 1) at discretisation ``disc``, without pavejax's
+    bracket."""
     rel = Relation.parse(relation).neighboring_relation
     return dpa.calibrate_dp_mechanism(
-        lambda: dpa.pld.PLDAccountant(rel, value_discretization_interval=1e-3),
+        lambda: dpa.pld.PLDAccountant(rel, value_discretization_interval=disc),
         lambda s: dp_sgd_event(s, **kw), target, delta)
+
+
+def test_pld_fine_grid_calibration_from_the_coarse_bracket(monkeypatch):
+    """Below a 1e-3 grid, a subsampled calibration searches below the coarse grid's answer: the
+    result is dp-accounting's own search at the fine grid, it meets the target on that grid and
+    is tight; a coarse bracket without the root falls back to the full search."""
+    from dp_accounting import mechanism_calibration as mc
+
+    from pavejax.accounting import ledger as ledger_mod
+
+    kw, relation, target = dict(q=0.05, steps=10), "replace_one", 1.0
+    sigma = calibrate_noise(target, DELTA, relation=relation, accountant="pld",
+                            pld_discretization=4e-4, **kw)
+    assert sigma == pytest.approx(_unbracketed_pld(target, DELTA, relation, disc=4e-4, **kw),
+                                  abs=5e-6)
+    for s, ok in ((sigma, True), (sigma - 1e-4, False)):
+        ledger = Ledger(relation, "pld", pld_discretization=4e-4)
+        ledger.record(dp_sgd_event(s, **kw))
+        assert (ledger.epsilon(DELTA) <= target) is ok
+    monkeypatch.setattr(ledger_mod, "_coarse_pld_bracket",
+                        lambda *a, **k: mc.ExplicitBracketInterval(50.0, 60.0))  # no root inside
+    assert calibrate_noise(target, DELTA, relation=relation, accountant="pld",
+                           pld_discretization=4e-4, **kw) == pytest.approx(sigma, abs=5e-6)
 
 
 @pytest.mark.parametrize("relation,kw", [

@@ -16,8 +16,7 @@ import pytest
 from pavejax.accounting import Ledger, gaussian_step_event
 from pavejax.pave import spec as S
 from pavejax.pave.dock import Dock
-from pavejax.release import ReleaseError, save_release, save_spec
-from pavejax.release import ReleaseMetadata
+from pavejax.release import ReleaseError, ReleaseMetadata, save_release, save_spec
 
 N, D_IN, K = 6, 4, 2
 
@@ -45,6 +44,11 @@ def toy():
                                jax.random.key(11), cfg, noise_key=noise_key)
 
     return make
+
+
+def _plain_meta():
+    return ReleaseMetadata(kind="model", backbone_id="toy", backbone_hash="ab" * 32,
+                           mechanism="none", ledger=None, guarantee={"kind": "none"})
 
 
 @pytest.fixture
@@ -87,8 +91,7 @@ def test_secret_names_are_refused_by_both_paths(toy, dock, tmp_path, name):
              "adapter": {name: np.ones((2, 3), np.float32)}}
     with pytest.raises(ValueError, match="named like a secret"):
         dock.submit(spec, name="m", model=model)
-    meta = ReleaseMetadata(kind="model", backbone_id="toy", backbone_hash="ab" * 32,
-                           mechanism="none", ledger=None, guarantee={"kind": "none"})
+    meta = _plain_meta()
     with pytest.raises(ReleaseError, match="named like a secret"):
         save_release(tmp_path / "r", model, meta)
     with pytest.raises(ValueError, match=f"entry named {name!r}"):
@@ -105,8 +108,7 @@ def test_prng_key_leaves_are_refused_by_both_paths(toy, dock, tmp_path):
     model = {"w": np.ones(3, np.float32), "k": jax.random.key(0)}
     with pytest.raises(ValueError, match="PRNG key"):
         dock.submit(spec, name="m", model=model)
-    meta = ReleaseMetadata(kind="model", backbone_id="toy", backbone_hash="ab" * 32,
-                           mechanism="none", ledger=None, guarantee={"kind": "none"})
+    meta = _plain_meta()
     with pytest.raises(ReleaseError, match="PRNG key"):
         save_release(tmp_path / "r", model, meta)
 
