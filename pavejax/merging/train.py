@@ -98,8 +98,11 @@ class MergeTrainConfig:
       learning_rate, weight_decay, b1, b2, eps: AdamW (``optimizer="adamw"``) or SGD (lr only).
       rho: SAM radius (global L2 norm of the perturbation).
       anchor: lambda of the anchor lambda * ||w - w0||^2 (0 disables it).
-      relation: ``"add_remove"`` or ``"replace_one"`` neighbouring.
-      accountant: ``"rdp"`` (default; analyses the composed "same" event) or ``"pld"``.
+      relation: ``"add_remove"`` or ``"replace_one"`` neighbouring. A model that is released
+        with its data set's size (as ``pavejax train`` and the demo do) needs ``"replace_one"``
+        (with ``accountant="pld"``): add/remove neighbours differ in that size.
+      accountant: ``"rdp"`` (default; analyses the composed "same" event) or ``"pld"`` (which
+        analyses "same" as one Gaussian of multiplier ``z / sqrt(2)``, exactly).
     """
 
     dataset_size: int

@@ -39,7 +39,10 @@ class DPConfig:
       l2_clip: per-example clip norm C.
       noise_multiplier: z >= 0; noise std = z * (add/remove sensitivity). 0 is non-private.
       sampling: a :class:`SamplingConfig` (Poisson, fixed-size or full batch).
-      relation: ``"add_remove"`` or ``"replace_one"`` neighbouring.
+      relation: ``"add_remove"`` or ``"replace_one"`` neighbouring. An add/remove figure holds
+        only while the data set's size stays hidden (the rate ``q = b / n`` and the normaliser
+        are then fixed public constants and ``n`` is published nowhere); pavejax's releases
+        state their sizes, so they take ``"replace_one"`` and refuse add/remove ledgers.
       clipping: ``"joint"`` (default) or ``"per_layer"``.
       microbatch_size: examples per vmapped chunk (memory), ``None`` for all at once.
       sparse_rows: trainable-leaf path -> example id field, for embedding tables.
