@@ -488,3 +488,40 @@ def test_config_validation(kwargs, match):
     base = {"steps": 3, "learning_rate": 0.1}
     with pytest.raises(ValueError, match=match):
         ZOConfig(**{**base, **kwargs})
+
+
+@pytest.mark.parametrize("variant", ["correct", "too_little_noise"])
+def test_dpzo_audit_holds_the_replace_one_claim_and_flags_too_little_noise(monkeypatch, variant):
+    """Empirical audit of one full-batch DP-ZO step between two pools of the same size that
+    differ in one example: the trainer's own clipped sums, its sigma and the real release rule,
+    20000 releases per pool, scored by projection on the sums' difference. The audit's epsilon
+    lower bound stays under the ledger's replace-one claim, and exceeds it for a release that
+    adds a quarter of the noise (a deliberately broken variant claiming the same epsilon)."""
+    from pavejax.audit import epsilon_lower_bound
+
+    cfg = resumable("dpzo", eval_every=0, clip=1e-3, dp_batch_size=N, steps=1, dp_epsilon=4.0)
+    s0 = init_state(cfg, start(), N, public_seed=0, mechanism_seed=1)
+    labels, sums = np.ones(N), []
+    for flip in (False, True):
+        calls = spy_on(monkeypatch, mech, "dpzo_release")
+        labels[5] = 0.0 if flip else 1.0
+        ran = train(cfg, loss, s0, None, identical_pool(labels))
+        sums.append(np.array([args[0] for args, _, _ in calls]))
+        monkeypatch.undo()
+    claimed = ran.ledger(cfg, N).epsilon(1e-5)
+    assert 3.9 < claimed <= 4.0 + 1e-6
+    sigma = s0.dp_noise_multiplier * (1.0 if variant == "correct" else 0.25)
+    rng = np.random.default_rng(11)
+
+    def releases(s, runs=20_000):
+        return np.array([[mech.dpzo_release(v, rng, noise_multiplier=sigma, clip=cfg.clip,
+                                            expected_batch_size=N).value for v in s]
+                         for _ in range(runs)])
+
+    d = sums[0] - sums[1]
+    lower = epsilon_lower_bound(releases(sums[0]) @ d, releases(sums[1]) @ d, delta=1e-5)
+    print(f"DP-ZO audit ({variant}): epsilon >= {lower:.3f}, claimed {claimed:.3f}")
+    if variant == "correct":
+        assert 0.5 < lower <= claimed  # the audit sees the example, within the claim
+    else:
+        assert lower > claimed, f"audit missed a quarter of the noise ({lower} <= {claimed})"
