@@ -61,6 +61,7 @@ from pavejax.checkpointing import (
 )
 from pavejax.distributed import pad_batch
 from pavejax.optim import promotion_safe
+from pavejax.recipes import SCHEDULES, Recipe, schedule
 from pavejax.privacy import (
     ClipConfig,
     DPConfig,
@@ -96,6 +97,10 @@ class MergeTrainConfig:
       l2_clip: per-example clip norm C (joint over all trainable leaves).
       batch_size: expected Poisson batch size (q = batch_size / dataset_size).
       learning_rate, weight_decay, b1, b2, eps: AdamW (``optimizer="adamw"``) or SGD (lr only).
+      schedule, warmup_fraction: the learning rate's course over the ``steps`` (see
+        :func:`pavejax.recipes.schedule`): ``"constant"`` (default) or a linear warm-up over
+        ``warmup_fraction`` of the steps then ``"cosine"`` or ``"linear"`` decay to zero.
+        :meth:`from_recipe` takes them, the rates and the batch size from a tuned recipe.
       rho: SAM radius (global L2 norm of the perturbation).
       anchor: lambda of the anchor lambda * ||w - w0||^2 (0 disables it).
       relation: ``"add_remove"`` or ``"replace_one"`` neighbouring. A model that is released
@@ -123,8 +128,15 @@ class MergeTrainConfig:
     optimizer: str = "adamw"
     relation: str = "add_remove"
     accountant: str = "rdp"
+    schedule: str = "constant"
+    warmup_fraction: float = 0.0
 
     def __post_init__(self):
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}.")
+        if not (isinstance(self.warmup_fraction, int | float)
+                and 0 <= self.warmup_fraction < 1):
+            raise ValueError(f"warmup_fraction must be in [0, 1), got {self.warmup_fraction!r}.")
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}.")
         if self.optimizer not in _OPTIMIZERS:
@@ -148,6 +160,21 @@ class MergeTrainConfig:
                              f"{self.target_epsilon!r}.")
         if not 0 < self.delta < 1:
             raise ValueError(f"delta must be in (0, 1), got {self.delta!r}.")
+
+    @classmethod
+    def from_recipe(cls, recipe: Recipe, *, dataset_size: int, steps: int,
+                    learning_rate: float | None = None, **privacy: Any) -> MergeTrainConfig:
+        """The private counterpart of a non-private ``recipe``: its schedule, warm-up, weight
+        decay and batch size (now the expected Poisson batch), with ``learning_rate`` re-tuned
+        under noise (default: the recipe's head rate for a ``"head"`` recipe, else its body
+        rate) and the privacy fields (``mode``, ``target_epsilon``, ``l2_clip``, ...) in
+        ``privacy``."""
+        if learning_rate is None:
+            learning_rate = (recipe.head_learning_rate if recipe.trained == "head"
+                             else recipe.learning_rate)
+        return cls(dataset_size=dataset_size, steps=steps, learning_rate=learning_rate,
+                   weight_decay=recipe.weight_decay, batch_size=recipe.batch_size,
+                   schedule=recipe.schedule, warmup_fraction=recipe.warmup_fraction, **privacy)
 
     @property
     def q(self) -> float:
@@ -280,10 +307,13 @@ def tree_add(a: PyTree, b: PyTree) -> PyTree:
 
 
 def make_optimizer(cfg: MergeTrainConfig) -> optax.GradientTransformation:
-    """AdamW (decoupled weight decay toward 0) or plain SGD, promotion-safe."""
+    """AdamW (decoupled weight decay toward 0) or plain SGD with ``cfg``'s learning-rate
+    schedule over ``cfg.steps``, promotion-safe."""
+    lr = (cfg.learning_rate if cfg.schedule == "constant"
+          else schedule(cfg.schedule, cfg.learning_rate, cfg.steps, cfg.warmup_fraction))
     if cfg.optimizer == "sgd":
-        return promotion_safe(optax.sgd(cfg.learning_rate))
-    return promotion_safe(optax.adamw(cfg.learning_rate, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
+        return promotion_safe(optax.sgd(lr))
+    return promotion_safe(optax.adamw(lr, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
                                       weight_decay=cfg.weight_decay))
 
 
@@ -331,7 +361,8 @@ def dp_sam_step(loss_fn: LossFn, cfg: MergeTrainConfig, state: TrainState, froze
                 anchor_params: PyTree, batch: PyTree, mask: jax.Array, ascent_batch: PyTree,
                 ascent_mask: jax.Array, key: jax.Array,
                 sigma: jax.Array | None = None, anchor: jax.Array | None = None, *,
-                mesh: jax.sharding.Mesh | None = None) -> tuple[TrainState, StepStats]:
+                mesh: jax.sharding.Mesh | None = None,
+                lr_scale: jax.Array | None = None) -> tuple[TrainState, StepStats]:
     """One pure, jittable step (see the module docstring); batches are padded with masks.
 
     ``ascent_batch``/``ascent_mask`` are used only in "fresh" mode (pass the descent batch
@@ -339,6 +370,8 @@ def dp_sam_step(loss_fn: LossFn, cfg: MergeTrainConfig, state: TrainState, froze
     overrides ``cfg.sigma`` with a traced multiplier (one compilation for several budgets);
     the caller must then account with ``step_event(cfg.mode, sigma, cfg.q)`` itself.
     ``anchor`` likewise overrides ``cfg.anchor`` with a traced lambda (it costs no privacy).
+    ``lr_scale`` multiplies the optimiser's update (a traced learning-rate factor: with
+    ``cfg.learning_rate = 1`` it is the learning rate, so a vmapped sweep compiles once).
     With ``mesh`` (a 1-D ``'data'`` mesh) each device clips its share of the batch (whose size
     must be a multiple of the device count) and one ``psum`` joins them before the noise.
     """
@@ -366,6 +399,8 @@ def dp_sam_step(loss_fn: LossFn, cfg: MergeTrainConfig, state: TrainState, froze
     else:
         total = grad
     updates, opt_state = make_optimizer(cfg).update(total, state.opt_state, w)
+    if lr_scale is not None:
+        updates = jax.tree.map(lambda u: u * jnp.asarray(lr_scale, u.dtype), updates)
     new = TrainState(optax.apply_updates(w, updates), opt_state, grad)
     mf = mask.astype(jnp.float32)
     loss = jnp.sum(jnp.where(mask, info.losses, 0.0)) / jnp.maximum(jnp.sum(mf), 1.0)
@@ -373,8 +408,10 @@ def dp_sam_step(loss_fn: LossFn, cfg: MergeTrainConfig, state: TrainState, froze
 
 
 def _shape_config(cfg: MergeTrainConfig) -> MergeTrainConfig:
-    """``cfg`` with the fields the step receives traced (z, lambda) or never reads (K) fixed."""
-    return dataclasses.replace(cfg, noise_multiplier=1.0, target_epsilon=None, steps=1,
+    """``cfg`` with the fields the step receives traced (z, lambda) or never reads (K, unless a
+    schedule spans it) fixed."""
+    steps = 1 if cfg.schedule == "constant" else cfg.steps
+    return dataclasses.replace(cfg, noise_multiplier=1.0, target_epsilon=None, steps=steps,
                                anchor=1.0)
 
 
@@ -401,8 +438,10 @@ def _ledger(cfg: MergeTrainConfig, event: dp_event.DpEvent, steps: int) -> Ledge
 
 
 def _run(cfg: MergeTrainConfig, params: PyTree, anchor_params: PyTree) -> dict[str, Any]:
-    # What makes a resumed run the same run; K may grow (the budget check guards it).
-    return run_record("dp-merging", cfg, exclude=("steps",), sigma=cfg.sigma,
+    # What makes a resumed run the same run; K may grow (the budget check guards it) unless a
+    # schedule spans the K steps.
+    exclude = ("steps",) if cfg.schedule == "constant" else ()
+    return run_record("dp-merging", cfg, exclude=exclude, sigma=cfg.sigma,
                       params=tree_fingerprint(params), anchor=tree_fingerprint(anchor_params))
 
 
