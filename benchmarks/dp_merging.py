@@ -111,11 +111,15 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 from _common import emit, parse_args
 
+from pavejax import recipes
 from pavejax.merging import diagnostics as dg, operators as ops, train as mt
+from pavejax.optim import promotion_safe
 from pavejax.privacy import take_batch
 from pavejax.privacy.sampling import BatchOverflowError, max_batch_for, poisson_indices
+from pavejax.recipes import Recipe
 
 SENTIMENT = ("negative", "positive")
 TOPICS = ("business", "entertainment", "politics", "sports", "tech")
@@ -148,20 +152,38 @@ class Settings:
     seeds: int
     batch: int = 16
     rank: int = 8
-    learning_rate: float = 1e-2
+    learning_rate: float | None = None
+    lr_grid_private: tuple[float, ...] = (3e-3, 1e-2, 3e-2)
+    lr_grid_nonprivate: tuple[float, ...] = (1e-3, 3e-3, 1e-2, 3e-2)
+    n_dev: int = 256
     l2_clip: float = 0.2
     rho: float = 0.05
-    weight_decay: float = 1e-2
     delta: float = 1e-5
     wudi_iters: int = 300
     sharp_examples: int = 128
     methods: tuple[str, ...] = tuple(METHODS)
+    nonprivate: bool = True
+    recipe: Recipe = dataclasses.field(default_factory=lambda: recipes.tuned("sentiment"))
+
+    @property
+    def weight_decay(self) -> float:
+        return self.recipe.weight_decay
+
+    @property
+    def epochs(self) -> int:
+        """Passes over the data of the private runs (expected), kept by the non-private one."""
+        return max(1, round(self.steps * self.batch / self.n_train))
+
+    @property
+    def nonprivate_steps(self) -> int:
+        """Steps of the non-private reference: the same epochs at the recipe's batch size."""
+        return self.epochs * max(1, self.n_train // self.recipe.batch_size)
 
     def __post_init__(self):
         if not self.tasks or len(set(self.tasks)) != len(self.tasks):
             raise ValueError(f"tasks must be distinct and non-empty, got {self.tasks!r}")
         for name in ("n_train", "n_test", "seq_len", "steps", "seeds", "batch", "rank",
-                     "wudi_iters", "sharp_examples"):
+                     "wudi_iters", "sharp_examples", "n_dev"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
@@ -170,6 +192,15 @@ class Settings:
         if not {"naive", "dpm"} <= set(self.methods) <= set(METHODS):
             raise ValueError(f"methods must include 'naive' and 'dpm' and come from "
                              f"{sorted(METHODS)}, got {self.methods!r}")
+        if self.recipe.batch_size > self.n_train:
+            raise ValueError(f"the recipe's batch ({self.recipe.batch_size}) must not exceed "
+                             f"n_train ({self.n_train})")
+        grids = (self.lr_grid_private, self.lr_grid_nonprivate)
+        if self.learning_rate is not None:
+            grids += ((self.learning_rate,),)
+        if not all(g and all(isinstance(x, float) and x > 0 for x in g) for g in grids):
+            raise ValueError("learning rates (learning_rate and the grids) must be floats > 0 "
+                             "and the grids non-empty")
         if not self.epsilons or not all(e > 0 for e in self.epsilons):
             raise ValueError(f"epsilons must be a non-empty tuple of numbers > 0 (math.inf for "
                              f"no noise), got {self.epsilons!r}")
@@ -226,22 +257,24 @@ class Model:
 
 
 def make_trainer(model: Model, mode: str, s: Settings):
-    """``train(keys (R, T), data, cols, w0, sigmas (R,), anchors (R,))`` for one ascent mode.
+    """``train(keys (R, T), data, cols, w0, sigmas (R,), anchors (R,), lrs (R,))`` for one
+    ascent mode.
 
-    Runs R x T independent trainings (R runs of (epsilon, seed, anchor), T tasks stacked on the
-    leading axis of ``data``/``cols``) of ``s.steps`` :func:`pavejax.merging.train.dp_sam_step`
-    steps on Poisson batches, in one compiled ``scan`` (sigma and anchor are traced); head
-    columns outside a task's classes stay at w0. Returns params with leading axes (R, T) and
-    raises if a Poisson draw overflowed or an example was non-finite (:func:`check_draws`).
+    Runs R x T independent trainings (R runs of (epsilon, seed, anchor, learning rate), T tasks
+    stacked on the leading axis of ``data``/``cols``) of ``s.steps``
+    :func:`pavejax.merging.train.dp_sam_step` steps on Poisson batches, in one compiled ``scan``
+    (sigma, anchor and the peak learning rate are traced; the schedule, warm-up and weight decay
+    are the recipe's); head columns outside a task's classes stay at w0. Returns params with
+    leading axes (R, T) and raises if a Poisson draw overflowed or an example was non-finite
+    (:func:`check_draws`).
     """
     q = s.batch / s.n_train
     cap = max_batch_for(s.n_train, q)
-    cfg = mt.MergeTrainConfig(dataset_size=s.n_train, steps=1, mode=mode, noise_multiplier=1.0,
-                              l2_clip=s.l2_clip, batch_size=s.batch,
-                              learning_rate=s.learning_rate, weight_decay=s.weight_decay,
-                              rho=s.rho, anchor=1.0)
+    cfg = mt.MergeTrainConfig.from_recipe(
+        s.recipe, dataset_size=s.n_train, steps=s.steps, learning_rate=1.0, mode=mode,
+        noise_multiplier=1.0, l2_clip=s.l2_clip, batch_size=s.batch, rho=s.rho, anchor=1.0)
 
-    def one(key, data, cols, w0, sigma, anchor):
+    def one(key, data, cols, w0, sigma, anchor, lr):
         def body(state, k):
             k_sample, k_step = jax.random.split(k)
             idx, mask, count = poisson_indices(k_sample, s.n_train, q, cap)
@@ -253,7 +286,7 @@ def make_trainer(model: Model, mode: str, s: Settings):
             else:
                 a_batch, a_mask = batch, mask
             state, stats = mt.dp_sam_step(model.loss, cfg, state, cols, w0, batch, mask, a_batch,
-                                          a_mask, k_step, sigma, anchor)
+                                          a_mask, k_step, sigma, anchor, lr_scale=lr)
             # A task owns only its classes' head columns; the others would carry nothing but
             # noise, so they are reset to w0 (post-processing: no privacy cost).
             head = jnp.where(cols[None, :], state.params["head"], w0["head"])
@@ -264,15 +297,50 @@ def make_trainer(model: Model, mode: str, s: Settings):
                                             jax.random.split(key, s.steps))
         return state.params, jnp.max(counts), jnp.sum(bad)
 
-    tasks = jax.vmap(one, in_axes=(0, 0, 0, None, None, None))
-    runs = jax.vmap(tasks, in_axes=(0, None, None, None, 0, 0))
+    tasks = jax.vmap(one, in_axes=(0, 0, 0, None, None, None, None))
+    runs = jax.vmap(tasks, in_axes=(0, None, None, None, 0, 0, 0))
 
-    def train(keys, data, cols, w0, sigmas, anchors):
-        params, count, bad = jax.jit(runs)(keys, data, cols, w0, sigmas, anchors)
+    def train(keys, data, cols, w0, sigmas, anchors, lrs):
+        params, count, bad = jax.jit(runs)(keys, data, cols, w0, sigmas, anchors, lrs)
         check_draws(int(jnp.max(count)), cap, int(jnp.sum(bad)))
         return params
 
     return train
+
+
+def make_nonprivate_trainer(model: Model, s: Settings):
+    """``train(keys (R, T), data, cols, w0, lrs (R,))``: the non-private reference.
+
+    The tuned recipe without what privacy requires: no clipping, no noise, shuffled minibatches
+    of the recipe's batch size (remainder dropped) for the private runs' number of epochs,
+    AdamW with the recipe's schedule, warm-up and weight decay at peak rate ``lrs[r]``, no
+    anchor. The same parameters train as in the private runs (head columns outside a task stay
+    at w0). Returns params with leading axes (R, T).
+    """
+    rb, epochs = s.recipe.batch_size, s.epochs
+    per_epoch = s.n_train // rb
+    tx = promotion_safe(optax.adamw(s.recipe.schedule_fn(1.0, s.nonprivate_steps),
+                                       weight_decay=s.recipe.weight_decay))
+
+    def one(key, data, cols, w0, lr):
+        order = jnp.concatenate([
+            jax.random.permutation(jax.random.fold_in(key, e), s.n_train)[:per_epoch * rb]
+            for e in range(epochs)]).reshape(-1, rb)
+
+        def body(carry, idx):
+            params, opt_state = carry
+            batch = take_batch(data, idx)
+            grads = jax.grad(lambda p: model.mean_loss(p, cols, batch))(params)
+            updates, opt_state = tx.update(grads, opt_state, params)
+            params = optax.apply_updates(params, jax.tree.map(lambda u: u * lr, updates))
+            head = jnp.where(cols[None, :], params["head"], w0["head"])
+            return (params | {"head": head}, opt_state), None
+
+        (params, _), _ = jax.lax.scan(body, (w0, tx.init(w0)), order)
+        return params
+
+    tasks = jax.vmap(one, in_axes=(0, 0, 0, None, None))
+    return jax.jit(jax.vmap(tasks, in_axes=(0, None, None, None, 0)))
 
 
 def check_draws(largest: int, cap: int, nonfinite: int) -> None:
@@ -315,12 +383,62 @@ def _row(kind, method, eps, task, accs, **extra) -> dict[str, Any]:
     mean, std = _stats(accs)
     row = {"kind": kind, "method": method, "epsilon": eps, "task": task, "sigma": None,
            "claimed_eps": None, "accuracy": mean, "accuracy_std": std, "gap": None,
-           "drift": None, "sharpness": None, "hessian_top": None}
+           "drift": None, "sharpness": None, "hessian_top": None, "learning_rate": None}
     row.update(extra)
     return row
 
 
-def _train_all(model: Model, s: Settings, w0: dict, train: dict, cols: jax.Array, log) -> dict:
+def _tune_eps(s: Settings) -> float:
+    """The budget the private learning rate is tuned at: 4 if measured, else the smallest."""
+    finite = [e for e in s.epsilons if math.isfinite(e)]
+    return 4.0 if 4.0 in finite else min(finite, default=math.inf)
+
+
+def tune_learning_rates(model: Model, s: Settings, w0: dict, train: dict, cols: jax.Array,
+                        devs: list[dict], log=print) -> tuple[float, float, list[dict]]:
+    """(private rate, non-private rate, rows): each chosen on the **dev** splits.
+
+    Private: DP-AdamW (``naive``) at epsilon :func:`_tune_eps`, one seed, every rate of
+    ``s.lr_grid_private``; the rate with the best dev accuracy (mean over tasks) is used by
+    every private method. Non-private: the reference trainer over ``s.lr_grid_nonprivate``.
+    With ``s.learning_rate`` set, both are that rate and nothing is tuned.
+    """
+    if s.learning_rate is not None:
+        return s.learning_rate, s.learning_rate, []
+    n_tasks, rows = len(s.tasks), []
+
+    def dev_acc(params, r):
+        return statistics.fmean(float(model.accuracy(jax.tree.map(lambda x: x[r, t], params),
+                                                     cols[t], devs[t]))
+                                for t in range(n_tasks))
+
+    eps = _tune_eps(s)
+    sigma = noise_for("none", eps, s)[0]
+    grid = s.lr_grid_private
+    keys = jnp.stack([jnp.stack([_run_key(99, 0, t) for t in range(n_tasks)])] * len(grid))
+    params = make_trainer(model, "none", s)(
+        keys, train, cols, w0, jnp.full((len(grid),), sigma, jnp.float32),
+        jnp.zeros((len(grid),), jnp.float32), jnp.asarray(grid, jnp.float32))
+    private = [dev_acc(params, r) for r in range(len(grid))]
+    rows += [_row("lr_sweep", "naive", eps, "dev", [a], sigma=round(sigma, 4),
+                  learning_rate=lr) for lr, a in zip(grid, private, strict=True)]
+    grid_np = s.lr_grid_nonprivate
+    nonprivate = [0.0] * len(grid_np)
+    if s.nonprivate:
+        keys = jnp.stack([jnp.stack([_run_key(99, 0, t) for t in range(n_tasks)])] * len(grid_np))
+        params = make_nonprivate_trainer(model, s)(keys, train, cols, w0,
+                                                   jnp.asarray(grid_np, jnp.float32))
+        nonprivate = [dev_acc(params, r) for r in range(len(grid_np))]
+        rows += [_row("lr_sweep", "nonprivate", math.inf, "dev", [a], sigma=0.0,
+                      learning_rate=lr) for lr, a in zip(grid_np, nonprivate, strict=True)]
+    lr_p, lr_np = grid[int(np.argmax(private))], grid_np[int(np.argmax(nonprivate))]
+    log(f"learning rates chosen on dev: private {lr_p:g} ({max(private):.3f}), "
+        f"non-private {lr_np:g} ({max(nonprivate):.3f})")
+    return lr_p, lr_np, rows
+
+
+def _train_all(model: Model, s: Settings, w0: dict, train: dict, cols: jax.Array,
+               lr_private: float, lr_nonprivate: float, log) -> dict:
     """{(method, epsilon, seed): ([params of task t], (sigma, claimed epsilon))}."""
     out, t0, n_tasks = {}, time.perf_counter(), len(s.tasks)
     for mode in dict.fromkeys(METHODS[k][0] for k in s.methods):
@@ -332,12 +450,24 @@ def _train_all(model: Model, s: Settings, w0: dict, train: dict, cols: jax.Array
                                      for t in range(n_tasks)]) for _, e, seed in runs])
         params = make_trainer(model, mode, s)(
             keys, train, cols, w0, jnp.asarray([noise[e][0] for _, e, _ in runs], jnp.float32),
-            jnp.asarray([METHODS[k][1] for k, _, _ in runs], jnp.float32))
+            jnp.asarray([METHODS[k][1] for k, _, _ in runs], jnp.float32),
+            jnp.full((len(runs),), lr_private, jnp.float32))
         for r, (k, e, seed) in enumerate(runs):
             out[k, e, seed] = ([jax.tree.map(lambda x: x[r, t], params)  # noqa: B023
                                 for t in range(n_tasks)], noise[e])
         log(f"[{time.perf_counter() - t0:6.1f}s] trained {', '.join(methods)} "
             f"({len(runs)} runs x {n_tasks} tasks)")
+    if s.nonprivate:
+        keys = jnp.stack([jnp.stack([_run_key(len(s.epsilons), seed, t) for t in range(n_tasks)])
+                          for seed in range(s.seeds)])
+        params = make_nonprivate_trainer(model, s)(keys, train, cols, w0,
+                                                   jnp.full((s.seeds,), lr_nonprivate,
+                                                            jnp.float32))
+        for seed in range(s.seeds):
+            out["nonprivate", math.inf, seed] = (
+                [jax.tree.map(lambda x: x[seed, t], params)  # noqa: B023
+                 for t in range(n_tasks)], (0.0, math.inf))
+        log(f"[{time.perf_counter() - t0:6.1f}s] trained the non-private reference")
     return out
 
 
@@ -366,15 +496,23 @@ def _score_merges(model: Model, s: Settings, w0: dict, models: list[dict], cols:
 
 
 def evaluate(s: Settings, w0: dict, train: dict, cols: jax.Array, tests: list[dict],
-             ln_eps: float, log=print) -> tuple[list[dict], dict]:
-    """Trains every (method, epsilon, seed, task), merges per (method, epsilon, seed), scores.
+             ln_eps: float, log=print, devs: list[dict] | None = None
+             ) -> tuple[list[dict], dict]:
+    """Tunes the learning rates on ``devs`` (:func:`tune_learning_rates`), trains every
+    (method, epsilon, seed, task), merges per (method, epsilon, seed), scores on ``tests``.
 
     ``train``: leaves stacked over the T tasks, ``(T, n_train, ...)``; ``cols``: (T, C) bool;
-    ``tests[t]``: task t's test data. Returns (rows, summary); see the module docstring.
+    ``tests[t]``/``devs[t]``: task t's test/dev data (``devs`` may be None only when
+    ``s.learning_rate`` is set). Returns (rows, summary); see the module docstring.
     """
     model = Model(ln_eps)
     t0 = time.perf_counter()
-    results = _train_all(model, s, w0, train, cols, log)
+    if devs is None and s.learning_rate is None:
+        raise ValueError("tuning the learning rates needs the dev splits; pass devs or set "
+                         "Settings.learning_rate")
+    lr_p, lr_np, lr_rows = tune_learning_rates(model, s, w0, train, cols, devs, log)
+    t_tune = time.perf_counter() - t0
+    results = _train_all(model, s, w0, train, cols, lr_p, lr_np, log)
     t_train = time.perf_counter() - t0
     sub = [jax.tree.map(lambda x: x[t, :s.sharp_examples], train)  # noqa: B023
            for t in range(len(s.tasks))]
@@ -390,23 +528,27 @@ def evaluate(s: Settings, w0: dict, train: dict, cols: jax.Array, tests: list[di
             per_seed.setdefault((k, e, what), []).append(statistics.fmean(x[what] for x in scores))
         for op, acc in _score_merges(model, s, w0, models, cols, tests).items():
             per_seed.setdefault((k, e, op), []).append(acc)
-    for k in s.methods:
-        for e in s.epsilons:
-            sigma, claimed = results[k, e, 0][1]
-            noise = {"sigma": round(sigma, 4), "claimed_eps": claimed}
-            for t, n in enumerate(s.tasks):
-                xs = per_seed[k, e, t]
-                rows.append(_row("individual", k, e, n, [x["accuracy"] for x in xs], **noise,
-                                 **{m: statistics.fmean(x[m] for x in xs)
-                                    for m in ("drift", "sharpness", "hessian_top")}))
-            for op in MERGES:
-                gaps = [a - b for a, b in zip(per_seed[k, e, "accuracy"], per_seed[k, e, op],
-                                              strict=True)]
-                rows.append(_row("merged", k, e, op, per_seed[k, e, op], **noise,
-                                 gap=statistics.fmean(gaps)))
+    reported = [(k, e) for k in s.methods for e in s.epsilons]
+    reported += [("nonprivate", math.inf)] if s.nonprivate else []
+    for k, e in reported:
+        sigma, claimed = results[k, e, 0][1]
+        noise = {"sigma": round(sigma, 4), "claimed_eps": claimed}
+        for t, n in enumerate(s.tasks):
+            xs = per_seed[k, e, t]
+            rows.append(_row("individual", k, e, n, [x["accuracy"] for x in xs], **noise,
+                             **{m: statistics.fmean(x[m] for x in xs)
+                                for m in ("drift", "sharpness", "hessian_top")}))
+        for op in MERGES:
+            gaps = [a - b for a, b in zip(per_seed[k, e, "accuracy"], per_seed[k, e, op],
+                                          strict=True)]
+            rows.append(_row("merged", k, e, op, per_seed[k, e, op], **noise,
+                             gap=statistics.fmean(gaps)))
     log(f"[{time.perf_counter() - t0:6.1f}s] merged and scored")
+    rows += lr_rows
     summary = _summary(s, rows, per_seed)
-    summary["train_seconds"] = round(t_train, 1)
+    summary["lr_private"], summary["lr_nonprivate"] = lr_p, lr_np
+    summary["tune_seconds"] = round(t_tune, 1)
+    summary["train_seconds"] = round(t_train - t_tune, 1)
     summary["score_merge_seconds"] = round(time.perf_counter() - t0 - t_train, 1)
     return rows, summary
 
@@ -428,6 +570,11 @@ def _summary(s: Settings, rows: list[dict], runs: dict) -> dict[str, Any]:
             name = "individual" if op == "accuracy" else op
             out[f"{k}_minus_naive_{name}"], out[f"{k}_minus_naive_{name}_std"] = _stats(diffs)
         out[f"{k}_wins_at_eps4"] = sum(out[f"{k}_{op}"] >= out[f"naive_{op}"] for op in MERGES)
+    if ("nonprivate", math.inf, "accuracy") in runs:
+        out["nonprivate_individual"], out["nonprivate_individual_std"] = _stats(
+            runs["nonprivate", math.inf, "accuracy"])
+        for op in MERGES:
+            out[f"nonprivate_{op}"] = statistics.fmean(runs["nonprivate", math.inf, op])
     out["zero_shot"] = statistics.fmean(r["accuracy"] for r in rows if r["kind"] == "zero_shot")
     out["target_met"] = out["dpm_wins_at_eps4"] >= 4
     return out
@@ -481,7 +628,8 @@ def _cache(fn, encoder, tok, texts: list[str], a: jax.Array, chunk: int = 64) ->
 
 
 def load_cached(s: Settings, log=print):
-    """MiniLM, the zero-shot head, w0 and the cached data of ``s.tasks``."""
+    """MiniLM, the zero-shot head, w0 and the cached data of ``s.tasks``:
+    ``(w0, train, cols, tests, ln_eps, devs)``."""
     from flax import nnx
 
     from pavejax.data import load_task
@@ -492,9 +640,9 @@ def load_cached(s: Settings, log=print):
     t = tok(list(PROMPTS))
     head = sentence_embedding(encoder, jnp.asarray(t.input_ids), jnp.asarray(t.attention_mask))
     w0, a = initial_params(encoder, jax.random.key(8), head.T, s.rank)
-    trains, tests, cols, fn = [], [], [], nnx.jit(encode_prefix)
+    trains, devs, tests, cols, fn = [], [], [], [], nnx.jit(encode_prefix)
     for name in s.tasks:
-        task = load_task(name, seed=0, max_train=s.n_train, max_test=s.n_test)
+        task = load_task(name, seed=0, max_train=s.n_train, max_dev=s.n_dev, max_test=s.n_test)
         if len(task.train.inputs) < s.n_train:
             raise ValueError(f"task {name} has {len(task.train.inputs)} training examples; "
                              f"lower n_train (tasks share one sampling rate)")
@@ -503,22 +651,24 @@ def load_cached(s: Settings, log=print):
             raise ValueError(f"task {name} has classes {sorted(unknown)} without a prompt")
         index = np.asarray([CLASSES.index(c) for c in task.label_names])
         cols.append(np.isin(np.arange(len(CLASSES)), index))
-        for split, out in ((task.train, trains), (task.test, tests)):
+        for split, out in ((task.train, trains), (task.dev, devs), (task.test, tests)):
             d = _cache(fn, encoder, tok, list(split.inputs), a)
             d["y"] = jnp.asarray(index[np.asarray(split.labels)], jnp.int32)
             out.append(d)
-        log(f"cached {name}: {len(task.train.inputs)} train, {len(task.test.inputs)} test")
+        log(f"cached {name}: {len(task.train.inputs)} train, {len(task.dev.inputs)} dev, "
+            f"{len(task.test.inputs)} test")
     train = jax.tree.map(lambda *xs: jnp.stack(xs), *trains)
-    return w0, train, jnp.asarray(np.stack(cols)), tests, float(encoder.config.layer_norm_eps)
+    return (w0, train, jnp.asarray(np.stack(cols)), tests, float(encoder.config.layer_norm_eps),
+            devs)
 
 
 def run(s: Settings, log=print) -> tuple[dict, list[dict], dict]:
     """The whole benchmark: (config, rows, summary)."""
     logging.getLogger("absl").setLevel(logging.ERROR)  # dp_accounting's dropped-order warnings
     t0 = time.perf_counter()
-    w0, train, cols, tests, ln_eps = load_cached(s, log)
+    w0, train, cols, tests, ln_eps, devs = load_cached(s, log)
     t_cache = time.perf_counter() - t0
-    rows, summary = evaluate(s, w0, train, cols, tests, ln_eps, log)
+    rows, summary = evaluate(s, w0, train, cols, tests, ln_eps, log, devs)
     summary["cache_seconds"] = round(t_cache, 1)
     summary["total_seconds"] = round(time.perf_counter() - t0, 1)
     config = {"model": "all-MiniLM-L6-v2 + zero-shot prompt head", "prompts": list(PROMPTS),
@@ -527,9 +677,10 @@ def run(s: Settings, log=print) -> tuple[dict, list[dict], dict]:
                          "layers/5/norm, head",
               "methods": {k: {"mode": METHODS[k][0], "anchor": METHODS[k][1]}
                           for k in s.methods},
+              "recipe": s.recipe.to_dict(), "nonprivate_steps": s.nonprivate_steps,
               **{k: ([str(e) for e in v] if k == "epsilons" else
                      list(v) if isinstance(v, tuple) else v)
-                 for k, v in dataclasses.asdict(s).items() if k != "methods"}}
+                 for k, v in dataclasses.asdict(s).items() if k not in ("methods", "recipe")}}
     return config, rows, summary
 
 
@@ -552,6 +703,8 @@ def plot(rows: list[dict], path: Path) -> str | None:
     for ax, e in zip(axes[0], eps_list, strict=True):
         for mi, k in enumerate(methods):
             got = {r["task"]: r for r in merged if r["method"] == k and r["epsilon"] == e}
+            if not got:  # the non-private reference has no finite-epsilon panel
+                continue
             xs = [i - 0.4 + (mi + 0.5) * width for i in range(len(MERGES))]
             ax.bar(xs, [got[op]["accuracy"] for op in MERGES], width,
                    yerr=[got[op]["accuracy_std"] for op in MERGES], label=k, color=f"C{mi}")

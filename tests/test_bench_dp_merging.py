@@ -129,12 +129,13 @@ def none_run(bench):
     key = jax.random.key(0)
     keys = jnp.stack([jnp.stack([jax.random.fold_in(key, t) for t in range(2)])] * 2)
     inputs = (keys, _stack(train), cols, w0, jnp.asarray([0.0, 0.0], jnp.float32),
-              jnp.asarray([0.0, bench.METHODS["anchor"][1]], jnp.float32))
+              jnp.asarray([0.0, bench.METHODS["anchor"][1]], jnp.float32),
+              jnp.full((2,), s.learning_rate, jnp.float32))
     return inputs, s, bench.make_trainer(model, "none", s)(*inputs)
 
 
 def test_trainer_learns_and_the_anchor_bounds_drift(bench, none_run):
-    (_, _, cols, w0, _, _), s, params = none_run
+    (_, _, cols, w0, _, _, _), s, params = none_run
     train, _ = _synthetic(0, s.n_train)
     model = bench.Model(1e-12)
     for t in range(2):
@@ -166,6 +167,68 @@ def test_fresh_mode_draws_its_own_ascent_batch_and_keeps_the_descent_pairing(ben
     same, fresh = train_mode("same", 0.5), train_mode("fresh", 0.5)
     assert all(bool(jnp.all(jnp.isfinite(x))) for x in fresh)
     assert max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(same, fresh, strict=True)) > 1e-4
+
+
+def test_nonprivate_reference_is_plain_adamw_on_shuffled_minibatches(bench):
+    """The reference trainer equals a hand-written loop: the same permutation per epoch, the
+    mean loss's unclipped gradient, AdamW with the recipe's schedule scaled to the peak rate,
+    no noise, no anchor; and it learns the synthetic task."""
+    import optax
+
+    from pavejax import recipes
+    from pavejax.optim import promotion_safe
+
+    s = _settings(bench, steps=48)  # 48 steps of 16 over 64 examples: 12 epochs
+    train, cols = _synthetic(0, s.n_train)
+    w0, model = _w0(1), bench.Model(1e-12)
+    key, lr = jax.random.key(3), 5e-2
+    keys = jnp.stack([jnp.stack([jax.random.fold_in(key, t) for t in range(2)])])
+    got = bench.make_nonprivate_trainer(model, s)(keys, _stack(train), cols, w0,
+                                                  jnp.asarray([lr], jnp.float32))
+    rb = s.recipe.batch_size
+    assert s.epochs == 12 and s.nonprivate_steps == 12 * (s.n_train // rb)
+    for t in range(2):
+        tx = promotion_safe(optax.adamw(
+            recipes.schedule(s.recipe.schedule, lr, s.nonprivate_steps,
+                             s.recipe.warmup_fraction), weight_decay=s.recipe.weight_decay))
+        p, st = w0, tx.init(w0)
+        for e in range(s.epochs):
+            perm = np.asarray(jax.random.permutation(jax.random.fold_in(keys[0, t], e),
+                                                     s.n_train))
+            for b in range(s.n_train // rb):
+                batch = jax.tree.map(lambda x: x[perm[b * rb:(b + 1) * rb]], train[t])  # noqa: B023
+                g = jax.grad(lambda q: model.mean_loss(q, cols[t], batch))(p)  # noqa: B023
+                u, st = tx.update(g, st, p)
+                p = optax.apply_updates(p, u)
+                p = p | {"head": jnp.where(cols[t][None, :], p["head"], w0["head"])}
+        mine = jax.tree.map(lambda x: x[0, t], got)  # noqa: B023
+        for a, b in zip(jax.tree.leaves(mine), jax.tree.leaves(p), strict=True):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-4, atol=2e-5)
+        before = float(model.accuracy(w0, cols[t], train[t]))
+        assert float(model.accuracy(mine, cols[t], train[t])) >= max(0.9, before + 0.1)
+
+
+def test_learning_rates_are_chosen_on_dev(bench):
+    s = _settings(bench, learning_rate=None, lr_grid_private=(1e-7, 5e-2),
+                  lr_grid_nonprivate=(5e-2, 1e-7), epsilons=(math.inf,))
+    data, cols = _synthetic(0, s.n_train + 48)  # dev: 48 more examples of the same tasks
+    train = [jax.tree.map(lambda x: x[:s.n_train], d) for d in data]
+    devs = [jax.tree.map(lambda x: x[s.n_train:], d) for d in data]
+    w0, model = _w0(1), bench.Model(1e-12)
+    lr_p, lr_np, rows = bench.tune_learning_rates(model, s, w0, _stack(train), cols, devs,
+                                                  log=lambda m: None)
+    assert (lr_p, lr_np) == (5e-2, 5e-2)  # a rate of 1e-7 leaves w0 unchanged
+    got = {(r["method"], r["learning_rate"]): r["accuracy"] for r in rows}
+    assert set(got) == {("naive", 1e-7), ("naive", 5e-2), ("nonprivate", 1e-7),
+                        ("nonprivate", 5e-2)}
+    zero = statistics.fmean(float(model.accuracy(w0, cols[t], devs[t])) for t in range(2))
+    assert got["naive", 1e-7] == pytest.approx(zero, abs=0.03)
+    assert got["naive", 5e-2] > got["naive", 1e-7] + 0.1
+    assert got["nonprivate", 5e-2] > got["nonprivate", 1e-7] + 0.1
+    # a fixed rate skips the tuning
+    fixed = _settings(bench, learning_rate=0.02)
+    assert bench.tune_learning_rates(model, fixed, w0, _stack(train), cols, None) == (
+        0.02, 0.02, [])
 
 
 def test_merges_of_unchanged_or_identical_models(bench):
@@ -246,17 +309,27 @@ def test_benchmark_end_to_end_on_real_minilm_one_task(bench, tmp_path):
     methods = bench.QUICK.methods
     s = bench.Settings(("bbc",), n_train=32, n_test=24, seq_len=8, steps=6,
                        epsilons=(4.0, math.inf), seeds=1, wudi_iters=2, sharp_examples=8,
-                       methods=methods)
+                       methods=methods, n_dev=16, lr_grid_private=(1e-2, 3e-2),
+                       lr_grid_nonprivate=(1e-2,))
     config, rows, summary = bench.run(s, log=lambda m: None)
     assert config["tasks"] == ["bbc"] and len(config["prompts"]) == len(bench.CLASSES)
     kinds = [r["kind"] for r in rows]
-    assert kinds.count("zero_shot") == 1 and kinds.count("individual") == len(methods) * 2
-    assert kinds.count("merged") == len(methods) * 2 * len(bench.MERGES)
+    # every private method at each epsilon, plus the non-private reference
+    assert kinds.count("zero_shot") == 1 and kinds.count("individual") == len(methods) * 2 + 1
+    assert kinds.count("merged") == (len(methods) * 2 + 1) * len(bench.MERGES)
+    sweep = [r for r in rows if r["kind"] == "lr_sweep"]
+    assert [(r["method"], r["learning_rate"]) for r in sweep] == [
+        ("naive", 1e-2), ("naive", 3e-2), ("nonprivate", 1e-2)]
+    best = max((r for r in sweep if r["method"] == "naive"), key=lambda r: r["accuracy"])
+    assert summary["lr_private"] == best["learning_rate"] and summary["lr_nonprivate"] == 1e-2
+    assert config["recipe"]["trained"] == "lora" and "nonprivate_individual" in summary
     assert sorted(config["methods"]) == sorted(methods)
     # The zero-shot prompt head is a real classifier: 5 topics, chance 0.2.
     assert rows[0]["accuracy"] >= 0.5
     for r in rows:
         assert 0.0 <= r["accuracy"] <= 1.0
+        if r["kind"] == "lr_sweep":
+            continue
         if r["kind"] == "individual":
             assert r["drift"] > 0 and math.isfinite(r["sharpness"] + r["hessian_top"])
         if r["kind"] != "zero_shot":

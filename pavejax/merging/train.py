@@ -168,13 +168,14 @@ class MergeTrainConfig:
         decay and batch size (now the expected Poisson batch), with ``learning_rate`` re-tuned
         under noise (default: the recipe's head rate for a ``"head"`` recipe, else its body
         rate) and the privacy fields (``mode``, ``target_epsilon``, ``l2_clip``, ...) in
-        ``privacy``."""
+        ``privacy`` (which may also override the batch size or weight decay)."""
         if learning_rate is None:
             learning_rate = (recipe.head_learning_rate if recipe.trained == "head"
                              else recipe.learning_rate)
-        return cls(dataset_size=dataset_size, steps=steps, learning_rate=learning_rate,
-                   weight_decay=recipe.weight_decay, batch_size=recipe.batch_size,
-                   schedule=recipe.schedule, warmup_fraction=recipe.warmup_fraction, **privacy)
+        fields = dict(dataset_size=dataset_size, steps=steps, learning_rate=learning_rate,
+                      weight_decay=recipe.weight_decay, batch_size=recipe.batch_size,
+                      schedule=recipe.schedule, warmup_fraction=recipe.warmup_fraction)
+        return cls(**(fields | privacy))
 
     @property
     def q(self) -> float:
