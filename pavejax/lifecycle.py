@@ -153,9 +153,14 @@ def train_developer(cfg: LifecycleConfig, task_name: str, noise_key: jax.Array |
     """DP-Merging fine-tuning of one developer's head; returns (params, classes, train data,
     train texts, test accuracy, TrainResult, MergeTrainConfig).
 
+    The optimiser is the task's tuned head recipe (``pavejax.recipes.tuned(task, "head")``:
+    AdamW, linear warm-up, cosine decay, its weight decay) at the peak rate ``cfg.dev_lr``,
+    over ``cfg.dev_steps`` DP-SAM steps on Poisson batches of expected size ``cfg.dev_batch``.
+
     ``noise_key``: the key of the sampling and the noise; None (the default) draws a fresh one
     from the operating system. Pass one only to replay a run: it makes the noise removable.
     """
+    from pavejax import recipes
     from pavejax.data import load_task
     from pavejax.merging import train as mt
     from pavejax.privacy import fresh_key
@@ -165,11 +170,14 @@ def train_developer(cfg: LifecycleConfig, task_name: str, noise_key: jax.Array |
     train = _data(task.train.inputs, task.train.labels, cfg.seq_len)
     test = _data(task.test.inputs, task.test.labels, cfg.seq_len)
     n = int(train["y"].shape[0])
-    mcfg = mt.MergeTrainConfig(dataset_size=n, steps=cfg.dev_steps, mode=cfg.dev_mode,
-                               target_epsilon=cfg.dev_epsilon, delta=cfg.delta,
-                               l2_clip=cfg.dev_clip, batch_size=min(cfg.dev_batch, n),
-                               learning_rate=cfg.dev_lr, relation="replace_one",
-                               accountant="pld")
+    # The tuned non-private head recipe (pavejax.recipes) gives the optimiser, schedule and
+    # weight decay; privacy changes the rest: clipping, noise, Poisson batches of dev_batch
+    # and the peak rate dev_lr (re-tuned under noise).
+    mcfg = mt.MergeTrainConfig.from_recipe(
+        recipes.tuned(task_name, "head"), dataset_size=n, steps=cfg.dev_steps,
+        learning_rate=cfg.dev_lr, mode=cfg.dev_mode, target_epsilon=cfg.dev_epsilon,
+        delta=cfg.delta, l2_clip=cfg.dev_clip, batch_size=min(cfg.dev_batch, n),
+        relation="replace_one", accountant="pld")
     params0 = head0(int(train["x"].shape[1]), classes)
     res = mt.train_task(example_loss, params0, None, train,
                         fresh_key() if noise_key is None else noise_key, mcfg)

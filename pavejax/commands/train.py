@@ -54,7 +54,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="test examples for the reported accuracy")
     p.add_argument("--clip", type=sh.positive_float, default=1.0,
                    help="per-example L2 clip norm C (the sensitivity the noise is scaled to)")
-    p.add_argument("--lr", type=sh.positive_float, default=1e-2, help="AdamW learning rate")
+    p.add_argument("--lr", type=sh.positive_float, default=1e-2,
+                   help="peak AdamW learning rate (the task's tuned recipe gives the warm-up, "
+                        "decay and weight decay)")
     p.add_argument("--seq-len", type=sh.positive_int, default=32, help="tokens per text")
     p.add_argument("--seed", type=int, default=0,
                    help="public seed of the train/test split (not of the noise)")
@@ -92,7 +94,9 @@ def run(ns: argparse.Namespace) -> int:
     hyper = {"mode": ns.mode, "steps": ns.steps, "noise_multiplier": mcfg.sigma,
              "sampling_rate": mcfg.q, "expected_batch_size": mcfg.batch_size,
              "l2_clip": ns.clip, "learning_rate": ns.lr, "rho": mcfg.rho,
-             "anchor": mcfg.anchor, "optimizer": mcfg.optimizer, "target_epsilon": ns.epsilon
+             "anchor": mcfg.anchor, "optimizer": mcfg.optimizer,
+             "weight_decay": mcfg.weight_decay, "schedule": mcfg.schedule,
+             "warmup_fraction": mcfg.warmup_fraction, "target_epsilon": ns.epsilon
              if math.isfinite(ns.epsilon) else None}
     extra = {"task": ns.task, "classes": list(classes), "test_accuracy": acc,
              "data": {"task": ns.task, "seed": ns.seed, "train_size": ns.train_size,
