@@ -1,10 +1,13 @@
 """Private PAVE: identification accuracy of DP-S-PAVE specs vs epsilon and rank, and audits.
 
 Identification rows (the market of ``identification.py``: real all-MiniLM-L6-v2, real text;
-quick: its quick market). Spec recipe: identification's ``"one_step_clipped"`` preset (one
-full-batch SGD step from B = 0 on per-example gradients clipped jointly to C = 1, rank 8 on
-every query/value kernel, A secret from one key; identification runs it at rank 32, and the
-``rank`` rows cover 2-32); it is the non-private baseline
+quick: its quick market). That market's developers train with the tuned head recipe
+(``developer_recipe="tuned"``, set by ``identification.make_config``), while the figures quoted
+below were measured with the former constant-rate Adam developers and await a re-run. Spec
+recipe: identification's ``"one_step_clipped"`` preset (one full-batch SGD step from B = 0 on
+per-example gradients clipped jointly to C = 1, rank 8 on every query/value kernel, A secret
+from one key; identification runs it at rank 32, and the ``rank`` rows cover 2-32); it is the
+non-private baseline
 (``top1_nonprivate``, both sides) and the users' query in the ``dev`` setting. Its private
 version is ``"one_step"`` with ``PrivacyConfig(target_epsilon=eps, sampling="full",
 l2_clip=C)``: the same clipped sum plus one Gaussian draw (sensitivity 2C under replace-one,

@@ -23,7 +23,10 @@ Design:
   specialities, round-robin over domains; undertrained (``undertrained_steps`` Adam steps) and
   corrupted developers (a ``corrupt_label_fraction`` of training labels moved to the next class,
   i.e. flipped when binary) copy good developers' specialities, so identification must tell
-  quality apart, not only classes. The developer order is shuffled.
+  quality apart, not only classes. The developer order is shuffled. Text markets can train every
+  developer with the package's tuned head recipe instead (``MarketConfig.developer_recipe``:
+  :func:`pavejax.recipes.tuned` of its domain, AdamW with warm-up and decay), the non-private
+  reference identification results are read against.
 * **Users** take the good developers' specialities in turn, so (with ``good_fraction > 0``)
   every user has a good developer of its own domain and classes. Splits of each domain
   (:func:`pavejax.data.load_task` with the market seed): train -> backbone pretraining and
@@ -55,6 +58,7 @@ import optax
 from flax import nnx
 from tqdm.auto import tqdm
 
+from pavejax import recipes as _recipes
 from pavejax.data.market_metrics import (
     RankingMetrics as RankingMetrics,
     class_identity_accuracy as class_identity_accuracy,
@@ -93,6 +97,17 @@ def _int_at_least(name: str, value: Any, low: int) -> None:
         raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
 
 
+def _developer_recipes(config: MarketConfig) -> dict[str, _recipes.Recipe]:
+    """``{domain: tuned head recipe}`` of a ``developer_recipe="tuned"`` market; raises unless
+    they share one batch size (one compiled trainer takes one minibatch shape)."""
+    out = {d: _recipes.tuned(d, "head") for d in config.domains}
+    sizes = {d: r.batch_size for d, r in out.items()}
+    if len(set(sizes.values())) > 1:
+        raise ValueError("the tuned head recipes of a market's domains must share one batch "
+                         f"size, got {sizes}")
+    return out
+
+
 @dataclasses.dataclass(frozen=True)
 class MarketConfig:
     """What market :func:`build_market` builds (validated on construction).
@@ -106,6 +121,18 @@ class MarketConfig:
     caps each user test class; ``shots_per_class`` is each user's few-shot size per class.
     ``domains=None`` takes every domain of the track. ``max_length`` (text tokens) and
     ``backbone_steps`` / ``hidden`` (vision backbone) size the shared feature map.
+
+    ``developer_recipe``: ``None`` (default) trains as above. ``"tuned"`` (text track only: the
+    tuned recipes exist for the text tasks) trains each developer with
+    ``pavejax.recipes.tuned(domain, "head")`` of its domain instead: AdamW (decoupled weight
+    decay) peaking at the recipe's ``head_learning_rate``, minibatches of its ``batch_size`` (one
+    shuffled pass per epoch, remainder dropped), ``epochs * (n // batch_size)`` steps (at least
+    1) for a good or corrupted developer holding ``n`` examples, under the recipe's linear
+    warm-up and decay over that developer's own steps. Undertrained developers take the first
+    ``undertrained_steps`` steps of that same schedule (it must stop early: fewer steps than a
+    good developer of that size takes). ``learning_rate``, ``batch_size`` and ``train_steps``
+    are then not used; each developer's metadata records its recipe, steps and peak rate. The
+    recipes of a market's domains must share one batch size.
     """
 
     track: str = "vision"
@@ -128,6 +155,7 @@ class MarketConfig:
     backbone_steps: int = 300
     hidden: int = 64
     max_length: int = 48
+    developer_recipe: str | None = None
 
     def __post_init__(self) -> None:
         if self.track not in _DOMAINS:
@@ -163,6 +191,15 @@ class MarketConfig:
                                         for s in self.subset_sizes):
             raise ValueError("subset_sizes must be ints >= 2 (a task needs two classes), got "
                              f"{self.subset_sizes!r}")
+        if self.developer_recipe is not None:
+            if self.developer_recipe != "tuned":
+                raise ValueError("developer_recipe must be None or 'tuned', got "
+                                 f"{self.developer_recipe!r}")
+            if self.track != "text":
+                raise ValueError("developer_recipe='tuned' needs the text track: the tuned "
+                                 "recipes (pavejax.recipes.tuned) exist for the text tasks, not "
+                                 f"for the {self.track} domains {self.domains!r}")
+            _developer_recipes(self)  # one shared batch size
 
     @property
     def quality_fractions(self) -> tuple[float, float, float]:
@@ -480,6 +517,97 @@ def _train_heads(kernel, bias, feats, labels, class_mask, indices, n_steps, *, l
     return jax.vmap(one)(kernel, bias, feats, labels, class_mask, indices, n_steps)
 
 
+def _warmup_steps(recipe: _recipes.Recipe, total: int) -> int:
+    """Warm-up steps of ``recipe`` over ``total`` steps, rounded as ``recipes.schedule`` does."""
+    return int(round(recipe.warmup_fraction * total))
+
+
+def _schedule_value(kind: jax.Array, peak: jax.Array, t: jax.Array, total: jax.Array,
+                    warmup: jax.Array) -> jax.Array:
+    """The rate at step ``t`` of ``recipes.schedule(SCHEDULES[kind], peak, total, f)`` with
+    ``warmup = round(f * total)`` (computed on the host, as that function does); every argument
+    may be traced, so developers of one compiled chunk can have their own schedules.
+
+    Linear warm-up ``0 -> peak`` over ``warmup`` steps, then over ``D = max(total - warmup, 1)``
+    steps: cosine ``0.5 * peak * (1 + cos(pi * s / D))``, linear ``peak * (1 - s / D)`` or the
+    constant ``peak`` (``s = t - warmup``, clipped to ``[0, D]``).
+    """
+    f32 = jnp.float32
+    t, total, warmup = (jnp.asarray(v, jnp.int32) for v in (t, total, warmup))
+    peak = jnp.asarray(peak, f32)
+    span = jnp.maximum(total - warmup, 1)
+    frac = jnp.clip(t - warmup, 0, span).astype(f32) / span.astype(f32)
+    cosine = peak * (0.5 * (1.0 + jnp.cos(jnp.pi * frac)))
+    linear = peak * (1.0 - frac)
+    decay = jnp.select([kind == _recipes.SCHEDULES.index("cosine"),
+                        kind == _recipes.SCHEDULES.index("linear")], [cosine, linear], peak)
+    warm = peak * (t.astype(f32) / jnp.maximum(warmup, 1).astype(f32))
+    return jnp.where(t < warmup, warm, decay)
+
+
+@jax.jit
+def _train_heads_recipe(kernel, bias, feats, labels, class_mask, indices, n_steps, totals,
+                        warmups, kinds, peaks, decays):
+    """AdamW under per-developer schedules on softmax cross-entropy of linear heads, vmapped over
+    developers (the ``developer_recipe`` trainer).
+
+    As :func:`_train_heads`, plus per developer (D,) arrays: ``totals`` (the schedule's steps),
+    ``warmups`` (its warm-up steps), ``kinds`` (index in ``recipes.SCHEDULES``), ``peaks`` (peak
+    rate) and ``decays`` (decoupled weight decay). Step ``t`` moves ``p - lr_t * u`` with ``u``
+    Adam's direction plus ``decay * p`` (AdamW; every parameter decays, as ``optax.adamw``).
+    """
+
+    def one(kernel, bias, feats, labels, mask, idx, n, total, warmup, kind, peak, wd):
+        tx = promotion_safe(optax.chain(optax.scale_by_adam(), optax.add_decayed_weights(wd)))
+
+        def loss(p, rows):
+            logits = feats[rows] @ p[0] + p[1][None, :]
+            logits = jnp.where(mask[None, :], logits, jnp.asarray(-1e9, jnp.float32))
+            return optax.softmax_cross_entropy_with_integer_labels(logits, labels[rows]).mean()
+
+        def step(carry, inp):
+            params, state = carry
+            t, rows = inp
+            updates, new_state = tx.update(jax.grad(loss)(params, rows), state, params)
+            lr = _schedule_value(kind, peak, t, total, warmup)
+            new = (jax.tree.map(lambda p, u: p - lr * u, params, updates), new_state)
+            return jax.tree.map(lambda a, b: jnp.where(t < n, a, b), new, carry), None
+
+        params = (kernel, bias)
+        steps = jnp.arange(idx.shape[0], dtype=jnp.int32)
+        (params, _), _ = jax.lax.scan(step, (params, tx.init(params)), (steps, idx))
+        return params
+
+    return jax.vmap(one)(kernel, bias, feats, labels, class_mask, indices, n_steps, totals,
+                         warmups, kinds, peaks, decays)
+
+
+def _recipe_steps(recipe: _recipes.Recipe, n: int, quality: str,
+                  undertrained_steps: int) -> tuple[int, int]:
+    """(steps taken, steps the schedule spans) of a developer with ``n`` examples trained by
+    ``recipe``: ``epochs * (n // batch_size)`` (at least 1) for a good or corrupted one; an
+    undertrained one stops after ``undertrained_steps`` of that schedule."""
+    total = max(1, recipe.epochs * (n // recipe.batch_size))
+    if quality != "undertrained":
+        return total, total
+    if undertrained_steps >= total:
+        raise ValueError(f"undertrained_steps ({undertrained_steps}) must be below the {total} "
+                         f"steps the tuned recipe gives a developer of {n} examples (epochs "
+                         f"{recipe.epochs}, batch {recipe.batch_size}); lower "
+                         "undertrained_steps")
+    return undertrained_steps, total
+
+
+def _epoch_batches(n: int, epochs: int, batch: int, rng: np.random.Generator) -> np.ndarray:
+    """(steps, batch) int32: one shuffled pass per epoch, remainder dropped; fewer than ``batch``
+    examples give one batch drawn as :func:`_batches` does (examples repeat)."""
+    per = n // batch
+    if per == 0:
+        return _batches(n, 1, batch, rng)
+    return np.concatenate([rng.permutation(n)[: per * batch].reshape(per, batch)
+                           for _ in range(epochs)]).astype(np.int32)
+
+
 def _batches(n: int, steps: int, batch: int, rng: np.random.Generator) -> np.ndarray:
     order = np.concatenate([rng.permutation(n) for _ in range(-(-steps * batch // n))])
     return order[: steps * batch].reshape(steps, batch).astype(np.int32)
@@ -511,6 +639,8 @@ class _Job(NamedTuple):
     labels: np.ndarray
     steps: int
     rng: np.random.Generator
+    total: int = 0  # steps its schedule spans (developer_recipe only)
+    recipe: _recipes.Recipe | None = None
 
 
 def _job(j: int, entry: tuple, pools: list[Task], config: MarketConfig) -> _Job:
@@ -522,45 +652,67 @@ def _job(j: int, entry: tuple, pools: list[Task], config: MarketConfig) -> _Job:
     labels = lut[pools[p].train.labels[rows]]
     if quality == "corrupted":
         labels = _corrupt(labels, len(subset), config.corrupt_label_fraction, rng)
-    steps = config.undertrained_steps if quality == "undertrained" else config.train_steps
-    return _Job(p, subset, quality, rows, labels, steps, rng)
+    if config.developer_recipe is None:
+        steps = config.undertrained_steps if quality == "undertrained" else config.train_steps
+        return _Job(p, subset, quality, rows, labels, steps, rng)
+    recipe = _developer_recipes(config)[config.domains[p]]
+    steps, total = _recipe_steps(recipe, len(rows), quality, config.undertrained_steps)
+    return _Job(p, subset, quality, rows, labels, steps, rng, total, recipe)
 
 
 def _fit_chunk(chunk: list[_Job], pool_feats: list[np.ndarray], n_max: int, k_max: int,
-               config: MarketConfig) -> list[nnx.Linear]:
+               config: MarketConfig, t_max: int | None = None) -> list[nnx.Linear]:
     """Heads of up to ``_CHUNK_DEVELOPERS`` developers from one compiled call; every chunk is
     padded to the same shapes (padding developers take 0 steps), so one compilation serves all.
-    Heads start from N(0, 1/d) kernels and zero biases."""
+    Heads start from N(0, 1/d) kernels and zero biases. ``t_max``: the scan length with a
+    ``developer_recipe`` (the market's longest schedule; default ``config.train_steps``)."""
     c, d = _CHUNK_DEVELOPERS, pool_feats[0].shape[1]
+    tuned = config.developer_recipe is not None
+    t_max = config.train_steps if t_max is None else t_max
+    batch = chunk[0].recipe.batch_size if tuned else config.batch_size
     padded = chunk + [chunk[-1]._replace(steps=0)] * (c - len(chunk))
     kernel = np.zeros((c, d, k_max), np.float32)
     feats = np.zeros((c, n_max, d), np.float32)
     labels = np.zeros((c, n_max), np.int32)
     mask = np.zeros((c, k_max), bool)
-    indices = np.zeros((c, config.train_steps, config.batch_size), np.int32)
+    indices = np.zeros((c, t_max, batch), np.int32)
     for i, job in enumerate(padded):
         k, n = len(job.subset), len(job.rows)
         kernel[i, :, :k] = job.rng.normal(0.0, d ** -0.5, (d, k))
         feats[i, :n], labels[i, :n], mask[i, :k] = pool_feats[job.pool][job.rows], job.labels, True
-        indices[i] = _batches(n, config.train_steps, config.batch_size, job.rng)
+        if tuned:
+            rows = _epoch_batches(n, job.recipe.epochs, batch, job.rng)
+            indices[i, :rows.shape[0]] = rows
+        else:
+            indices[i] = _batches(n, config.train_steps, config.batch_size, job.rng)
     n_steps = np.asarray([job.steps for job in padded], np.int32)
-    w, b = _train_heads(kernel, np.zeros((c, k_max), np.float32), feats, labels, mask, indices,
-                        n_steps, learning_rate=float(config.learning_rate))
+    if tuned:
+        r = [job.recipe for job in padded]
+        w, b = _train_heads_recipe(
+            kernel, np.zeros((c, k_max), np.float32), feats, labels, mask, indices, n_steps,
+            np.asarray([job.total for job in padded], np.int32),
+            np.asarray([_warmup_steps(x, job.total) for x, job in zip(r, padded)], np.int32),
+            np.asarray([_recipes.SCHEDULES.index(x.schedule) for x in r], np.int32),
+            np.asarray([x.head_learning_rate for x in r], np.float32),
+            np.asarray([x.weight_decay for x in r], np.float32))
+    else:
+        w, b = _train_heads(kernel, np.zeros((c, k_max), np.float32), feats, labels, mask,
+                            indices, n_steps, learning_rate=float(config.learning_rate))
     w, b = np.asarray(w), np.asarray(b)
     return [_linear(w[i, :, :len(job.subset)], b[i, :len(job.subset)])
             for i, job in enumerate(chunk)]
 
 
-def _train_developers(plan: list[tuple], pools: list[Task], pool_feats: list[np.ndarray],
+def _train_developers(jobs: list[_Job], pools: list[Task], pool_feats: list[np.ndarray],
                       featurize: Callable, config: MarketConfig,
                       progress: bool) -> tuple[DeveloperModel, ...]:
-    jobs = [_job(j, entry, pools, config) for j, entry in enumerate(plan)]
     n_max, k_max = max(len(j.rows) for j in jobs), max(len(j.subset) for j in jobs)
+    t_max = None if config.developer_recipe is None else max(j.total for j in jobs)
     heads: list[nnx.Linear] = []
     with tqdm(total=len(jobs), desc="training developers", disable=not progress) as bar:
         for start in range(0, len(jobs), _CHUNK_DEVELOPERS):
             chunk = jobs[start:start + _CHUNK_DEVELOPERS]
-            heads += _fit_chunk(chunk, pool_feats, n_max, k_max, config)
+            heads += _fit_chunk(chunk, pool_feats, n_max, k_max, config, t_max)
             bar.update(len(chunk))
     developers = []
     for j, (job, head) in enumerate(zip(jobs, heads)):
@@ -569,6 +721,10 @@ def _train_developers(plan: list[tuple], pools: list[Task], pool_feats: list[np.
         corrupted = config.corrupt_label_fraction if job.quality == "corrupted" else 0.0
         meta = {"steps": job.steps, "n_train": len(job.rows), "corrupt_label_fraction": corrupted,
                 "learning_rate": config.learning_rate}
+        if job.recipe is not None:  # peak rate of its schedule, which spans schedule_steps
+            meta |= {"learning_rate": job.recipe.head_learning_rate,
+                     "schedule_steps": job.total, "developer_recipe": config.developer_recipe,
+                     "recipe": job.recipe.to_dict()}
         developers.append(DeveloperModel(
             f"dev{j:03d}-{domain}-{'_'.join(classes)}-{job.quality}", domain, classes,
             job.quality, head, featurize, Split(pool.train.take(job.rows).inputs, job.labels),
@@ -606,6 +762,9 @@ def build_market(config: MarketConfig, *, progress: bool = True, cache: bool = T
     tasks, pretrain = _raw_domains(config)
     pools = _pools(config, tasks, pretrain)
     dev_plan, user_plan = _plan(pools, config)
+    # Jobs before any embedding: a developer_recipe's step counts are checked here, not after a
+    # minute of MiniLM. Each job draws from its own stream, so this order changes nothing.
+    jobs = [_job(j, entry, pools, config) for j, entry in enumerate(dev_plan)]
     backbone, meta = None, {"domains": config.domains}
     if config.track == "vision":
         # pavejax.models is imported lazily here and below: it pulls in the text extra.
@@ -624,7 +783,7 @@ def build_market(config: MarketConfig, *, progress: bool = True, cache: bool = T
         embed_texts([t for p in pools for t in p.train.inputs], max_length=config.max_length,
                     progress=progress)
     pool_feats = [np.asarray(featurize(p.train.inputs), np.float32) for p in pools]
-    developers = _train_developers(dev_plan, pools, pool_feats, featurize, config, progress)
+    developers = _train_developers(jobs, pools, pool_feats, featurize, config, progress)
     return Market(config, developers, _make_users(user_plan, pools, config), featurize,
                   backbone, MappingProxyType(meta))
 
