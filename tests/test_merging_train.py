@@ -9,6 +9,7 @@ import dp_accounting as dpa
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from dp_accounting import dp_event
 
@@ -16,6 +17,8 @@ from pavejax import lora, privacy as pv
 from pavejax.accounting import Ledger
 from pavejax.audit import epsilon_lower_bound
 from pavejax.merging import train as mt
+from pavejax.optim import promotion_safe
+from pavejax.recipes import Recipe, schedule
 
 DELTA = 1e-5
 
@@ -412,3 +415,130 @@ def test_train_task_fresh_mode_draws_the_ascent_batch_independently_of_the_desce
     assert any(both != d for d, both in fresh), (
         "every descent example was also in the ascent batch at every step: the ascent reuses "
         "the descent batch")
+
+
+# ------------------------------------------------------------------ recipes and schedules
+
+
+def test_from_recipe_copies_the_recipe_and_picks_the_trained_groups_rate():
+    head = Recipe("head", 1e-4, 5e-2, epochs=3, batch_size=24, warmup_fraction=0.2,
+                  schedule="linear", weight_decay=0.05)
+    cfg = mt.MergeTrainConfig.from_recipe(head, dataset_size=200, steps=50, mode="none",
+                                          noise_multiplier=1.0)
+    assert (cfg.learning_rate, cfg.weight_decay, cfg.batch_size, cfg.schedule,
+            cfg.warmup_fraction) == (5e-2, 0.05, 24, "linear", 0.2)
+    assert (cfg.dataset_size, cfg.steps, cfg.mode, cfg.noise_multiplier) == (200, 50, "none", 1.0)
+    lora_r = Recipe("lora", 2e-3, 1e-2, epochs=2, batch_size=16, warmup_fraction=0.1,
+                    schedule="cosine", weight_decay=0.0)
+    cfg = mt.MergeTrainConfig.from_recipe(lora_r, dataset_size=100, steps=10, target_epsilon=4.0)
+    assert (cfg.learning_rate, cfg.weight_decay, cfg.batch_size, cfg.schedule,
+            cfg.warmup_fraction, cfg.target_epsilon) == (2e-3, 0.0, 16, "cosine", 0.1, 4.0)
+    full = lora_r.replace(trained="full", learning_rate=5e-5)
+    assert mt.MergeTrainConfig.from_recipe(full, dataset_size=100, steps=10,
+                                           noise_multiplier=1.0).learning_rate == 5e-5
+    # a re-tuned rate and privacy-side overrides win over the recipe
+    cfg = mt.MergeTrainConfig.from_recipe(lora_r, dataset_size=100, steps=10, learning_rate=7e-3,
+                                          batch_size=8, weight_decay=0.3, noise_multiplier=1.0)
+    assert (cfg.learning_rate, cfg.batch_size, cfg.weight_decay) == (7e-3, 8, 0.3)
+    with pytest.raises(ValueError, match="batch_size .* must not exceed"):
+        mt.MergeTrainConfig.from_recipe(head, dataset_size=10, steps=5, noise_multiplier=1.0)
+
+
+def _quadratic_grads(p):
+    c = jnp.array([1.0, -2.0, 0.5])
+    return jax.grad(lambda p: jnp.sum(jnp.square(p["w"] - c) * jnp.array([1.0, 4.0, 0.25])))(p)
+
+
+def _apply(tx, params, steps):
+    state = tx.init(params)
+    for _ in range(steps):
+        u, state = tx.update(_quadratic_grads(params), state, params)
+        params = jax.tree.map(lambda a, b: a + b, params, u)
+    return params
+
+
+def test_make_optimizer_follows_the_schedule():
+    params = {"w": jnp.array([0.3, 0.1, -0.7])}
+    cfg = mt.MergeTrainConfig(dataset_size=100, steps=10, noise_multiplier=1.0,
+                              learning_rate=0.1, weight_decay=0.02, schedule="cosine",
+                              warmup_fraction=0.2)
+    want = promotion_safe(optax.adamw(schedule("cosine", 0.1, 10, 0.2), weight_decay=0.02))
+    for steps in (1, 4, 9):
+        np.testing.assert_allclose(_apply(mt.make_optimizer(cfg), params, steps)["w"],
+                                   _apply(want, params, steps)["w"], rtol=1e-6)
+    constant = dataclasses.replace(cfg, schedule="constant", warmup_fraction=0.0)
+    assert not np.allclose(_apply(mt.make_optimizer(constant), params, 4)["w"],
+                           _apply(mt.make_optimizer(cfg), params, 4)["w"], rtol=1e-3)
+    # SGD with the schedule, against the rate written out: warm-up 2 steps (0, 0.05), then a
+    # cosine over 8 steps (0.1 at step 2, 0.5 * 0.1 * (1 + cos(pi / 8)) at step 3)
+    sgd = dataclasses.replace(cfg, optimizer="sgd")
+    lrs = [0.0, 0.05, 0.1, 0.05 * (1 + math.cos(math.pi / 8))]
+    w = np.asarray(params["w"], np.float64)
+    c, a = np.array([1.0, -2.0, 0.5]), np.array([1.0, 4.0, 0.25])
+    for lr in lrs:
+        w = w - lr * 2 * a * (w - c)
+    np.testing.assert_allclose(_apply(mt.make_optimizer(sgd), params, 4)["w"], w, rtol=1e-5)
+
+
+@pytest.mark.parametrize("sched", ["constant", "cosine"])
+def test_lr_scale_equals_the_learning_rate(sched):
+    x = {"x": jnp.array([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0], [2.0, 0.0]])}
+    m = jnp.ones(4, bool)
+    w0 = {"w": jnp.array([0.5, -0.5])}
+    s = 0.03
+
+    def run(lr, lr_scale, jit):
+        cfg = mt.MergeTrainConfig(dataset_size=4, steps=4, mode="none", noise_multiplier=0.0,
+                                  batch_size=4, l2_clip=100.0, anchor=0.1, learning_rate=lr,
+                                  weight_decay=0.1, schedule=sched, warmup_fraction=0.25)
+        step = functools.partial(mt.dp_sam_step, _lin_loss, cfg)
+        if jit:
+            step = jax.jit(step)
+        st = mt.init_state(w0, cfg)
+        for k in range(3):
+            kw = {} if lr_scale is None else {"lr_scale": jnp.float32(lr_scale)}
+            st, _ = step(st, None, w0, x, m, x, m, jax.random.key(k), **kw)
+        return np.asarray(st.params["w"])
+
+    want = run(s, None, False)
+    np.testing.assert_allclose(run(1.0, s, False), want, rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(run(1.0, s, True), want, rtol=1e-5, atol=1e-7)
+    assert not np.allclose(run(1.0, None, False), want, rtol=1e-2)  # the scale matters
+    assert not np.allclose(want, np.asarray(w0["w"]), atol=1e-4)  # and the run moved
+
+
+@pytest.mark.parametrize("changes, match", [
+    ({"schedule": "step"}, "schedule must be one of"),
+    ({"warmup_fraction": 1.0}, r"warmup_fraction must be in \[0, 1\)"),
+    ({"warmup_fraction": -0.1}, r"warmup_fraction must be in \[0, 1\)"),
+    ({"warmup_fraction": float("nan")}, r"warmup_fraction must be in \[0, 1\)"),
+    ({"warmup_fraction": "0.1"}, r"warmup_fraction must be in \[0, 1\)"),
+])
+def test_config_rejects_bad_schedule(changes, match):
+    with pytest.raises(ValueError, match=match):
+        mt.MergeTrainConfig(dataset_size=100, steps=10, noise_multiplier=1.0, **changes)
+
+
+def test_constant_schedule_keeps_the_recipes_warm_up():
+    # recipes.schedule("constant", ...) warms up too; a private config built from such a recipe
+    # must not drop the warm-up, neither in make_optimizer nor in train_task's compiled step.
+    cfg = mt.MergeTrainConfig(dataset_size=4, steps=4, mode="none", noise_multiplier=0.0,
+                              batch_size=4, l2_clip=100.0, anchor=0.0, optimizer="sgd",
+                              learning_rate=0.1, schedule="constant", warmup_fraction=0.5)
+    params = {"w": jnp.array([0.3, 0.1, -0.7])}
+    w = np.asarray(params["w"], np.float64)
+    c, a = np.array([1.0, -2.0, 0.5]), np.array([1.0, 4.0, 0.25])
+    for lr in (0.0, 0.05, 0.1, 0.1):  # warm-up round(0.5 * 4) = 2 steps, then 0.1
+        w = w - lr * 2 * a * (w - c)
+    np.testing.assert_allclose(_apply(mt.make_optimizer(cfg), params, 4)["w"], w, rtol=1e-5)
+    # train_task (q = 1: every step sees the whole data set): gradient of 0.5 ||w - x||^2
+    x = np.array([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0], [2.0, 0.0]], np.float32)
+    w0 = np.array([0.5, -0.5])
+    seen = []
+    mt.train_task(_lin_loss, {"w": jnp.asarray(w0, jnp.float32)}, None, {"x": jnp.asarray(x)},
+                  jax.random.key(0), cfg, callback=lambda k, s: seen.append(np.asarray(
+                      s.params["w"])))
+    want = w0.copy()
+    for k, lr in enumerate((0.0, 0.05, 0.1, 0.1)):
+        want = want - lr * (want - x.mean(0))
+        np.testing.assert_allclose(seen[k], want, rtol=1e-5, atol=1e-7)

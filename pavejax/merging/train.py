@@ -307,10 +307,16 @@ def tree_add(a: PyTree, b: PyTree) -> PyTree:
     return jax.tree.map(lambda x, y: x + y.astype(x.dtype), a, b)
 
 
+def _flat_rate(cfg: MergeTrainConfig) -> bool:
+    """Whether the rate is the same at every step: ``"constant"`` without warm-up (the
+    ``"constant"`` schedule of :func:`pavejax.recipes.schedule` warms up too)."""
+    return cfg.schedule == "constant" and cfg.warmup_fraction == 0
+
+
 def make_optimizer(cfg: MergeTrainConfig) -> optax.GradientTransformation:
     """AdamW (decoupled weight decay toward 0) or plain SGD with ``cfg``'s learning-rate
     schedule over ``cfg.steps``, promotion-safe."""
-    lr = (cfg.learning_rate if cfg.schedule == "constant"
+    lr = (cfg.learning_rate if _flat_rate(cfg)
           else schedule(cfg.schedule, cfg.learning_rate, cfg.steps, cfg.warmup_fraction))
     if cfg.optimizer == "sgd":
         return promotion_safe(optax.sgd(lr))
@@ -411,7 +417,7 @@ def dp_sam_step(loss_fn: LossFn, cfg: MergeTrainConfig, state: TrainState, froze
 def _shape_config(cfg: MergeTrainConfig) -> MergeTrainConfig:
     """``cfg`` with the fields the step receives traced (z, lambda) or never reads (K, unless a
     schedule spans it) fixed."""
-    steps = 1 if cfg.schedule == "constant" else cfg.steps
+    steps = 1 if _flat_rate(cfg) else cfg.steps
     return dataclasses.replace(cfg, noise_multiplier=1.0, target_epsilon=None, steps=steps,
                                anchor=1.0)
 
@@ -441,7 +447,7 @@ def _ledger(cfg: MergeTrainConfig, event: dp_event.DpEvent, steps: int) -> Ledge
 def _run(cfg: MergeTrainConfig, params: PyTree, anchor_params: PyTree) -> dict[str, Any]:
     # What makes a resumed run the same run; K may grow (the budget check guards it) unless a
     # schedule spans the K steps.
-    exclude = ("steps",) if cfg.schedule == "constant" else ()
+    exclude = ("steps",) if _flat_rate(cfg) else ()
     return run_record("dp-merging", cfg, exclude=exclude, sigma=cfg.sigma,
                       params=tree_fingerprint(params), anchor=tree_fingerprint(anchor_params))
 
