@@ -10,7 +10,7 @@ four domains; ``bbc``: 5-way news topics), on all-MiniLM-L6-v2 (real weights) an
 * ``full``: every encoder weight plus the head (the upper reference).
 
 Every method trains on the mean cross-entropy with shuffled minibatches (remainder dropped).
-Full mode (sized for one accelerator; about 25 minutes on 2 CPU cores): 1,024 train / 512 test
+Full mode (sized for one accelerator; about 40 minutes on 2 CPU cores): 1,024 train / 512 test
 examples per task (stratified), 64 tokens. ``--quick``: 128 / 128 examples, 32 tokens, the
 recipes' other settings with batch 16. Rows: task, method, classes, examples, steps, test
 accuracy, the test set's majority-class rate, and seconds (tokenisation excluded; compilation
