@@ -54,7 +54,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="test examples for the reported accuracy")
     p.add_argument("--clip", type=sh.positive_float, default=1.0,
                    help="per-example L2 clip norm C (the sensitivity the noise is scaled to)")
-    p.add_argument("--lr", type=sh.positive_float, default=1e-2,
+    p.add_argument("--lr", type=sh.positive_float, default=3e-2,
                    help="peak AdamW learning rate (the task's tuned recipe gives the warm-up, "
                         "decay and weight decay)")
     p.add_argument("--seq-len", type=sh.positive_int, default=32, help="tokens per text")
