@@ -487,6 +487,14 @@ def _plan(pools: list[Task], config: MarketConfig) -> tuple[list[tuple], list[tu
     return [devs[j] for j in order], users
 
 
+def _head_loss(p, rows, *, feats, labels, mask):
+    """Mean cross-entropy of head ``p = (kernel, bias)`` on ``rows``; classes outside ``mask``
+    (padding) get logit -1e9."""
+    logits = feats[rows] @ p[0] + p[1][None, :]
+    logits = jnp.where(mask[None, :], logits, jnp.asarray(-1e9, jnp.float32))
+    return optax.softmax_cross_entropy_with_integer_labels(logits, labels[rows]).mean()
+
+
 @functools.partial(jax.jit, static_argnames=("learning_rate",))
 def _train_heads(kernel, bias, feats, labels, class_mask, indices, n_steps, *, learning_rate):
     """Adam on softmax cross-entropy of linear heads, vmapped over developers.
@@ -497,10 +505,7 @@ def _train_heads(kernel, bias, feats, labels, class_mask, indices, n_steps, *, l
     tx = promotion_safe(optax.adam(learning_rate))
 
     def one(kernel, bias, feats, labels, mask, idx, n):
-        def loss(p, rows):
-            logits = feats[rows] @ p[0] + p[1][None, :]
-            logits = jnp.where(mask[None, :], logits, jnp.asarray(-1e9, jnp.float32))
-            return optax.softmax_cross_entropy_with_integer_labels(logits, labels[rows]).mean()
+        loss = functools.partial(_head_loss, feats=feats, labels=labels, mask=mask)
 
         def step(carry, inp):
             params, state = carry
@@ -560,10 +565,7 @@ def _train_heads_recipe(kernel, bias, feats, labels, class_mask, indices, n_step
     def one(kernel, bias, feats, labels, mask, idx, n, total, warmup, kind, peak, wd):
         tx = promotion_safe(optax.chain(optax.scale_by_adam(), optax.add_decayed_weights(wd)))
 
-        def loss(p, rows):
-            logits = feats[rows] @ p[0] + p[1][None, :]
-            logits = jnp.where(mask[None, :], logits, jnp.asarray(-1e9, jnp.float32))
-            return optax.softmax_cross_entropy_with_integer_labels(logits, labels[rows]).mean()
+        loss = functools.partial(_head_loss, feats=feats, labels=labels, mask=mask)
 
         def step(carry, inp):
             params, state = carry
