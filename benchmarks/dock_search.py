@@ -35,7 +35,7 @@ import numpy as np
 
 from pavejax.pave.dock import Dock
 from pavejax.pave.search import build_index, search_index
-from pavejax.pave.types import PaveSpec, SpecSignature, cosine
+from pavejax.spec_types import PaveSpec, SpecSignature, cosine
 
 RANK, WIDTH, LAYERS = 8, 384, 6
 PATHS = tuple(f"encoder/layers/{i}/attention/{m}/kernel" for i in range(LAYERS)

@@ -48,7 +48,7 @@ import orbax.checkpoint as ocp
 import pavejax
 from pavejax._releasable import check_record, check_replace_one, check_tensor_names
 from pavejax.accounting import Ledger
-from pavejax.pave.types import PaveSpec, SpecMismatchError, SpecSignature
+from pavejax.spec_types import PaveSpec, SpecMismatchError, SpecSignature
 
 __all__ = [
     "FORMAT_VERSION",

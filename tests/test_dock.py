@@ -16,8 +16,8 @@ import pytest
 
 from pavejax.lora import LoraConfig, init_lora
 from pavejax.pave.dock import SCORE_TEMPERATURE, Dock, DockError
-from pavejax.pave.types import PaveSpec, SpecMismatchError, SpecSignature
 from pavejax.privacy import data_mesh
+from pavejax.spec_types import PaveSpec, SpecMismatchError, SpecSignature
 
 ROOT = Path(__file__).resolve().parents[1]
 SIG = SpecSignature("toy-backbone", "b" * 64, 2, ("l0/kernel", "l1/kernel"), (12, 8), "a" * 64,
@@ -51,7 +51,7 @@ PRELUDE = f"""
 import sys, numpy as np
 from pavejax.pave import dock as dock_mod
 from pavejax.pave.dock import Dock
-from pavejax.pave.types import PaveSpec, SpecSignature
+from pavejax.spec_types import PaveSpec, SpecSignature
 SIG = SpecSignature.from_dict({json.dumps(SIG.to_dict())})
 def rand_spec(seed):
     return PaveSpec(np.random.default_rng(seed).standard_normal(SIG.dim).astype(np.float32), SIG)

@@ -23,7 +23,7 @@ from pavejax.pave.spec import (
     soft_targets,
     user_spec,
 )
-from pavejax.pave.types import PaveSpec, SpecMismatchError
+from pavejax.spec_types import PaveSpec, SpecMismatchError
 
 D_IN, HIDDEN = 8, 24
 CLASSES = ("neg", "pos")

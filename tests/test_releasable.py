@@ -17,6 +17,7 @@ from pavejax.accounting import Ledger, gaussian_step_event
 from pavejax.pave import spec as S
 from pavejax.pave.dock import Dock
 from pavejax.release import ReleaseError, ReleaseMetadata, save_release, save_spec
+from pavejax.spec_types import PaveSpec
 
 N, D_IN, K = 6, 4, 2
 
@@ -118,12 +119,12 @@ def test_dock_refuses_an_add_remove_spec(toy, dock):
     ar = Ledger("add_remove", "rdp")
     ar.record(gaussian_step_event(3.0, q=1.0), label="dp-s-pave")
     info = dict(spec.info)
-    bad_ledger = S.PaveSpec(spec.vector, spec.signature, spec.kind,
-                            info | {"ledger": ar.to_dict()})
+    bad_ledger = PaveSpec(spec.vector, spec.signature, spec.kind,
+                          info | {"ledger": ar.to_dict()})
     with pytest.raises(ValueError, match="add/remove neighbouring"):
         dock.submit(bad_ledger, name="m")
     g = dict(info["guarantee"]) | {"epsilon_add_remove": math.pi}
-    bad_figure = S.PaveSpec(spec.vector, spec.signature, spec.kind, info | {"guarantee": g})
+    bad_figure = PaveSpec(spec.vector, spec.signature, spec.kind, info | {"guarantee": g})
     with pytest.raises(ValueError, match="add/remove figure"):
         dock.submit(bad_figure, name="m")
     assert len(dock) == 0

@@ -12,7 +12,6 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from pavejax import lora
 from pavejax.accounting import Ledger, gaussian_step_event
-from pavejax.pave.types import PaveSpec, SpecMismatchError, SpecSignature
 from pavejax.release import (
     ReleaseError,
     ReleaseIntegrityError,
@@ -23,6 +22,7 @@ from pavejax.release import (
     save_release,
     save_spec,
 )
+from pavejax.spec_types import PaveSpec, SpecMismatchError, SpecSignature
 
 BACKBONE = "ab" * 32
 OTHER_BACKBONE = "ef" * 32

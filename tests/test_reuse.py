@@ -18,7 +18,7 @@ from pavejax.pave.reuse import (
     reuse_models,
     user_accuracy,
 )
-from pavejax.pave.types import PaveSpec, SpecSignature
+from pavejax.spec_types import PaveSpec, SpecSignature
 
 
 def logits_model(p, x):

@@ -92,7 +92,7 @@ def dock_space(signature, rank: int | None, layers: tuple[int, ...] | None):
 
 
 def _with_facts(spec, **facts):
-    from pavejax.pave.types import PaveSpec
+    from pavejax.spec_types import PaveSpec
 
     return PaveSpec(spec.vector, spec.signature, spec.kind, dict(spec.info) | facts)
 

@@ -1,10 +1,11 @@
 """PAVE specifications, the learnware dock, and the RKME baseline.
 
 :mod:`~pavejax.pave.spec` (model-side / user-side specs, DP-S-PAVE), :mod:`~pavejax.pave.text`
-(a BERT encoder as the shared backbone), :mod:`~pavejax.pave.types` (the spec record),
-:mod:`~pavejax.pave.dock` (SQLite + Orbax store, on-device search), :mod:`~pavejax.pave.search`
-(cosine top-k kernels), :mod:`~pavejax.pave.reuse` (top-1, fine-tune, ensemble, merge) and
-:mod:`~pavejax.pave.rkme` (the RKME baseline).
+(a BERT encoder as the shared backbone), :mod:`~pavejax.pave.dock` (SQLite + Orbax store,
+on-device search), :mod:`~pavejax.pave.search` (cosine top-k kernels), :mod:`~pavejax.pave.reuse`
+(top-1, fine-tune, ensemble, merge) and :mod:`~pavejax.pave.rkme` (the RKME baseline). The spec
+record (``PaveSpec``, ``SpecSignature``) lives in :mod:`pavejax.spec_types`, below PAVE, so that
+releases read and write it without importing the method.
 """
 
 # Exports load on first use, so that the command line (``pavejax dock --help``) does not import
@@ -16,8 +17,6 @@ _EXPORTS = {
                      "backbone_hash", "generate_spec", "hard_targets", "label_space_head",
                      "model_spec", "soft_targets", "spec_signature", "user_spec"),
                     "pavejax.pave.spec"),
-    **dict.fromkeys(("PaveSpec", "SpecMismatchError", "SpecSignature", "cosine"),
-                    "pavejax.pave.types"),
 }
 __all__ = sorted(_EXPORTS)
 

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
-from pavejax.pave.types import PaveSpec
+from pavejax.spec_types import PaveSpec
 
 BUSY_TIMEOUT_MS = 120_000
 SCHEMA = """

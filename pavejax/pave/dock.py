@@ -60,7 +60,7 @@ from pavejax.pave._dock_io import (
     transaction,
 )
 from pavejax.pave.search import SCORE_TEMPERATURE, SearchResult, scores_from_cosines
-from pavejax.pave.types import PaveSpec, SpecSignature
+from pavejax.spec_types import PaveSpec, SpecSignature
 
 if TYPE_CHECKING:
     from pavejax.pave.reuse import Reused

@@ -58,8 +58,8 @@ from pavejax.accounting import Ledger, calibrate_noise
 from pavejax.checkpointing import TrainCheckpointer, run_record
 from pavejax.optim import promotion_safe
 from pavejax.pave._dp_loop import run_dp_steps
-from pavejax.pave.types import PaveSpec, SpecSignature
 from pavejax.privacy import ClipConfig, DPConfig, DPGradient, SamplingConfig, clipped_sum
+from pavejax.spec_types import PaveSpec, SpecSignature
 
 __all__ = [
     "PRESETS",
