@@ -65,7 +65,7 @@ _COMMANDS: dict[str, _Command] = {
     "spec": ("write a PAVE spec release of a model (DP-S-PAVE) or of a user's few shots, in a "
              "dock's parameter space", *_lazy("pavejax.commands.spec")),
     "dock": ("create, fill, list and search a learnware dock",
-             *_lazy("pavejax.pave.dock_cli")),
+             *_lazy("pavejax.commands.dock")),
     "merge": ("merge model releases of one label space (TIES, WA, TA, PCB, WUDI, DARE) into a "
               "merged model release with the composed ledger", *_lazy("pavejax.commands.merge")),
     "adapt": ("adapt a model release on a private task with PACZero (ZPL, MI), MeZO or DP-ZO",
