@@ -238,15 +238,15 @@ def _evaluators(logits, frozen, dev, test):
 def _cells(mode: Mode):
     zpl_m = mode.subsets - 2 if mode.subsets >= 128 else mode.subsets
     dp = {"dp_batch_size": min(64, mode.pool // 4)}  # the paper's 64 (rate 0.064 of 1000)
-    return [("mezo", "mezo", {}), ("dpzo_eps2", "dpzo", {"dp_epsilon": 2.0, **dp}),
-            ("dpzo_eps6", "dpzo", {"dp_epsilon": 6.0, **dp}),
+    return [("mezo", "mezo", {}), ("dpzo_eps2", "dpzo", {"target_epsilon": 2.0, **dp}),
+            ("dpzo_eps6", "dpzo", {"target_epsilon": 6.0, **dp}),
             ("mi033", "mi", {"mi_budget": 0.33}), ("mi068", "mi", {"mi_budget": 0.68}),
             ("zpl", "zpl", {"num_subsets": zpl_m})]
 
 
 def _run_cell(mode, name, kind, extra, loss, trainable, frozen, pool, dev_loss, test_acc):
     kw = {"num_subsets": mode.subsets, **extra}
-    cfg = ZOConfig(kind, steps=mode.steps, learning_rate=mode.lr, clip=25.0,
+    cfg = ZOConfig(kind, steps=mode.steps, learning_rate=mode.lr, l2_clip=25.0,
                    microbatch_size=mode.microbatch, eval_every=max(mode.steps // 5, 1), **kw)
     t0 = time.perf_counter()
     st = train(cfg, loss, init_state(cfg, trainable, mode.pool, public_seed=42,
@@ -256,7 +256,7 @@ def _run_cell(mode, name, kind, extra, loss, trainable, frozen, pool, dev_loss, 
     # MeZO is non-private (no bound).
     mi = {"mi": st.mi_used, "zpl": st.mi_used, "mezo": None}.get(kind)
     if kind == "dpzo":
-        mi = epsilon_to_mi(extra["dp_epsilon"], DELTA)
+        mi = epsilon_to_mi(extra["target_epsilon"], DELTA)
     return {"method": name, "test_acc": test_acc(best), "last_acc": test_acc(st.trainable),
             "best_step": st.best_step,
             "unanimity_rate": st.unanimity_rate if kind in ("mi", "zpl") else None,

@@ -94,7 +94,7 @@ def run(s: Settings) -> tuple[dict[str, Any], list[dict[str, Any]], dict[str, An
     config = {"rates": list(s.rates), "draws": s.draws, "dev_size": s.dev_size,
               "developers": list(cfg.developers), "dev_steps": cfg.dev_steps,
               "dev_batch": cfg.dev_batch, "dev_epsilon": cfg.dev_epsilon,
-              "dev_mode": cfg.dev_mode, "dev_clip": cfg.dev_clip, "seq_len": cfg.seq_len,
+              "dev_mode": cfg.dev_mode, "dev_l2_clip": cfg.dev_l2_clip, "seq_len": cfg.seq_len,
               "recipes": {t: recipes.tuned(t, "head").to_dict() for t in cfg.developers}}
     return config, rows, summary
 

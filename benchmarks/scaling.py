@@ -48,7 +48,7 @@ import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from pavejax import lora, paczero, privacy  # noqa: E402
-from pavejax.distributed import pad_batch  # noqa: E402
+from pavejax.privacy import pad_batch  # noqa: E402
 from pavejax.merging import train as mt  # noqa: E402
 from pavejax.models import BertConfig, BertEncoder, TextClassifier  # noqa: E402
 from pavejax.optim import promotion_safe  # noqa: E402
@@ -138,7 +138,7 @@ def _sam_runner(loss, B0, frozen, data, batch, mesh):
 
 def _zo_runner(loss, B0, frozen, data, pool_size, mesh):
     pool = jax.tree.map(lambda x: x[:pool_size], data)
-    cfg = paczero.ZOConfig("zpl", steps=10_000, learning_rate=1e-4, clip=CLIP, num_subsets=16)
+    cfg = paczero.ZOConfig("zpl", steps=10_000, learning_rate=1e-4, l2_clip=CLIP, num_subsets=16)
     state = paczero.init_state(cfg, B0, pool_size, public_seed=0, mechanism_seed=1)
     if mesh is not None:
         pool = privacy.shard_batch(pool, mesh)

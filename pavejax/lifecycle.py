@@ -57,9 +57,9 @@ class LifecycleConfig:
     dev_batch: int = 32
     dev_mode: str = "same"
     dev_lr: float = 3e-2  # re-tuned under noise on dev: benchmarks/private_lr.py
-    dev_clip: float = 1.0
+    dev_l2_clip: float = 1.0
     spec_examples: int = 256
-    spec_clip: float = 0.05
+    spec_l2_clip: float = 0.05
     spec_rank: int = 8
     spec_layers: tuple[int, ...] | None = (4, 5)
     top_k: int = 3
@@ -68,7 +68,7 @@ class LifecycleConfig:
                                                 ("scaling", 1.0))
     zo_steps: int = 300
     zo_lr: float = 1e-2
-    zo_eps: float = 1e-2
+    zo_perturbation_scale: float = 1e-2
     zo_subsets: int = 16
     seed: int = 0
     out_dir: str = "pavejax-demo"
@@ -176,7 +176,7 @@ def train_developer(cfg: LifecycleConfig, task_name: str, noise_key: jax.Array |
     mcfg = mt.MergeTrainConfig.from_recipe(
         recipes.tuned(task_name, "head"), dataset_size=n, steps=cfg.dev_steps,
         learning_rate=cfg.dev_lr, mode=cfg.dev_mode, target_epsilon=cfg.dev_epsilon,
-        delta=cfg.delta, l2_clip=cfg.dev_clip, batch_size=min(cfg.dev_batch, n),
+        delta=cfg.delta, l2_clip=cfg.dev_l2_clip, batch_size=min(cfg.dev_batch, n),
         relation="replace_one", accountant="pld")
     params0 = head0(int(train["x"].shape[1]), classes)
     res = mt.train_task(example_loss, params0, None, train,
@@ -193,7 +193,7 @@ def developer_spec(cfg: LifecycleConfig, tb, a_key, params, classes, train, text
     logits = np.asarray(apply_head(params, train["x"][:m]))
     spec_cfg = SpecConfig.preset("one_step", rank=cfg.spec_rank, progress=False,
                                  privacy=PrivacyConfig(target_epsilon=cfg.spec_epsilon,
-                                                       l2_clip=cfg.spec_clip, sampling="full",
+                                                       l2_clip=cfg.spec_l2_clip, sampling="full",
                                                        accountant="rdp", delta=cfg.delta,
                                                        microbatch_size=32))
     return tb.model_spec(texts[:m], logits, classes, a_key, spec_cfg, task=name)
@@ -246,7 +246,8 @@ def run_lifecycle(cfg: LifecycleConfig, log: Callable[[str], None] = print) -> d
         ledgers[f"developer/{name}"] = {
             "model": {"mechanism": f"DP-Merging (DP-SAM mode {cfg.dev_mode!r} + anchor)",
                       "epsilon": res.ledger.epsilon(cfg.delta), "delta": cfg.delta,
-                      "relation": "replace_one", "noise_multiplier": mcfg.sigma,
+                      "relation": "replace_one",
+                      "noise_multiplier": mcfg.resolved_noise_multiplier,
                       "steps": cfg.dev_steps, "sampling_rate": mcfg.q,
                       "dataset_size": mcfg.dataset_size},
             "spec": {"mechanism": "DP-S-PAVE (one full-batch Gaussian step)",
@@ -279,7 +280,7 @@ def run_lifecycle(cfg: LifecycleConfig, log: Callable[[str], None] = print) -> d
     # the developers' recipe without the noise: each shot's gradient clipped to their C
     uspec = tb.user_spec(shots.inputs, shots.labels, uclasses, a_key,
                          SpecConfig.preset("one_step_clipped", rank=cfg.spec_rank,
-                                           example_clip=cfg.spec_clip, progress=False))
+                                           example_clip=cfg.spec_l2_clip, progress=False))
     found = dock.search(uspec.spec, k=len(dock))
     entries = {e.id: e for e in dock.list()}
     ranking, accs = [], {}
@@ -332,8 +333,8 @@ def adapt_zpl(cfg: LifecycleConfig, params: dict, pool: dict, dev: dict):
     from pavejax.paczero.train import ZOConfig, init_state
 
     zcfg = ZOConfig(mechanism="zpl", steps=cfg.zo_steps, learning_rate=cfg.zo_lr,
-                       eps=cfg.zo_eps, num_subsets=cfg.zo_subsets, clip=25.0,
-                       eval_every=max(1, cfg.zo_steps // 10))
+                    perturbation_scale=cfg.zo_perturbation_scale, num_subsets=cfg.zo_subsets,
+                    l2_clip=25.0, eval_every=max(1, cfg.zo_steps // 10))
 
     @jax.jit
     def dev_loss_jit(p):

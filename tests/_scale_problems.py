@@ -136,8 +136,8 @@ def zo_start() -> dict:
 def zo_config(mechanism: str = "mi", **kw) -> ZOConfig:
     extra = {"mi": {"mi_budget": 0.2, "num_subsets": 8},
              "zpl": {"num_subsets": 8},
-             "dpzo": {"dp_epsilon": 2.0, "dp_batch_size": 8}}[mechanism]
-    return ZOConfig(mechanism, **({"steps": STEPS, "learning_rate": 0.05, "clip": TIGHT,
+             "dpzo": {"target_epsilon": 2.0, "dp_batch_size": 8}}[mechanism]
+    return ZOConfig(mechanism, **({"steps": STEPS, "learning_rate": 0.05, "l2_clip": TIGHT,
                                    "eval_every": 1} | extra | kw))
 
 

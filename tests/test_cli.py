@@ -366,7 +366,7 @@ def test_adapt_zpl_and_mi_ledgers(work, merged, adapted):
         2.9 < g["epsilon"] <= 3.0 + 1e-6
     # 6 Poisson-subsampled Gaussian releases at q = 8/32 (replace-one PLD, dp-accounting)
     step = dp_event.PoissonSampledDpEvent(8 / 32, dp_event.GaussianDpEvent(
-        h["dp_noise_multiplier"]))
+        h["noise_multiplier"]))
     assert g["epsilon"] == pytest.approx(
         _pld_replace_one_epsilon([dp_event.SelfComposedDpEvent(step, 6)], DELTA), rel=1e-6)
 

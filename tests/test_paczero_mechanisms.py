@@ -144,7 +144,7 @@ def test_mi_large_budget_moves_posterior_towards_secret():
 
 def test_dpzo_release_noise_scale_and_event():
     rng = np.random.default_rng(8)
-    values = [dpzo_release(0.0, rng, noise_multiplier=2.0, clip=3.0, expected_batch_size=10.0)
+    values = [dpzo_release(0.0, rng, noise_multiplier=2.0, l2_clip=3.0, expected_batch_size=10.0)
               .value for _ in range(4000)]
     assert np.std(values) == pytest.approx(0.6, rel=0.05)
     ev = dpzo_step_event(2.0, q=0.1, num_directions=4)

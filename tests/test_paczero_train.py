@@ -37,7 +37,7 @@ N, D = 32, 4
 # Every run shares one direction count, subset count and DP setting, so the loop's device
 # functions and the DP noise calibration are compiled/solved once for the whole module.
 K, M = 2, 8
-DP = {"dp_epsilon": 2.0, "dp_batch_size": 8}
+DP = {"target_epsilon": 2.0, "dp_batch_size": 8}
 
 
 def make_pool():
@@ -66,7 +66,7 @@ def same_tree(a, b):
 
 
 def test_zpl_trajectory_ignores_secret_and_posterior_stays_uniform():
-    cfg = ZOConfig("zpl", steps=12, learning_rate=0.05, clip=5.0, num_subsets=M,
+    cfg = ZOConfig("zpl", steps=12, learning_rate=0.05, l2_clip=5.0, num_subsets=M,
                    num_directions=K)
     pool = make_pool()
     s0 = init_state(cfg, start(), N, public_seed=1, mechanism_seed=2)
@@ -81,7 +81,7 @@ def test_zpl_trajectory_ignores_secret_and_posterior_stays_uniform():
 
 
 def test_mi_spends_at_most_its_budget():
-    cfg = ZOConfig("mi", steps=10, learning_rate=0.05, clip=5.0, num_subsets=M, mi_budget=0.05,
+    cfg = ZOConfig("mi", steps=10, learning_rate=0.05, l2_clip=5.0, num_subsets=M, mi_budget=0.05,
                    num_directions=K)
     st = train(cfg, loss, init_state(cfg, start(), N, public_seed=1, mechanism_seed=3), None,
                make_pool())
@@ -107,7 +107,7 @@ def test_faithful_mi_run_is_charged_what_it_leaks(monkeypatch):
     # The reference σ solver overspends small per-step budgets (|I − β| < 1e-6 absolute): the
     # ledger must hold what the releases leak, and the run's budget must still bind.
     calls = spy_on(monkeypatch, mech, "mi_release")
-    cfg = ZOConfig("mi", steps=10, learning_rate=0.05, clip=5.0, num_subsets=M, mi_budget=1e-6,
+    cfg = ZOConfig("mi", steps=10, learning_rate=0.05, l2_clip=5.0, num_subsets=M, mi_budget=1e-6,
                    num_directions=K, faithful=True)
     st = train(cfg, loss, init_state(cfg, start(), N, public_seed=1, mechanism_seed=3), None,
                make_pool())
@@ -170,7 +170,7 @@ RESUMABLE = {"zpl": {"num_subsets": M}, "mi": {"mi_budget": 0.2, "num_subsets": 
 
 
 def resumable(mechanism, **kw):
-    return ZOConfig(mechanism, **({"steps": 8, "learning_rate": 0.05, "clip": 5.0,
+    return ZOConfig(mechanism, **({"steps": 8, "learning_rate": 0.05, "l2_clip": 5.0,
                                    "eval_every": 3, "num_directions": K}
                                   | RESUMABLE[mechanism] | kw))
 
@@ -200,7 +200,7 @@ def assert_same_state(a, b):
     assert a.secret == b.secret and (a.membership is None) == (b.membership is None)
     assert a.membership is None or np.array_equal(a.membership, b.membership)
     assert (a.unanimous, a.releases, a.stopped) == (b.unanimous, b.releases, b.stopped)
-    assert a.dp_noise_multiplier == b.dp_noise_multiplier
+    assert a.noise_multiplier == b.noise_multiplier
 
 
 @pytest.mark.parametrize("mechanism", ["zpl", "mi", "dpzo"])
@@ -256,7 +256,7 @@ def test_dpzo_budget_binds_before_the_first_step(tmp_path):
     cfg, pool = resumable("dpzo", eval_every=0), make_pool()
     s0 = init_state(cfg, start(), N, public_seed=4, mechanism_seed=5)
     spent = train(cfg, loss, s0, None, pool).ledger(cfg, N).epsilon(1e-5)
-    assert 1.5 < spent <= 2.0 * 1.001  # calibrated to dp_epsilon = 2 over the 8 steps
+    assert 1.5 < spent <= 2.0 * 1.001  # calibrated to target_epsilon = 2 over the 8 steps
     with TrainCheckpointer(tmp_path / "low", budget=(spent * 0.9, 1e-5)) as ckpt:
         with pytest.raises(BudgetExceededError, match="would exceed"):
             train(cfg, loss, s0, None, pool, checkpointer=ckpt)
@@ -313,7 +313,7 @@ def test_checkpoints_accounted_add_remove(tmp_path, monkeypatch):
         for e in real(self, config, pool_size, **kw).mi_entries:
             led.record_mi(e.nats, count=e.count, label=e.label)
         if config.mechanism == "dpzo" and self.step:
-            led.record(mech.dpzo_step_event(self.dp_noise_multiplier, q=8 / N,
+            led.record(mech.dpzo_step_event(self.noise_multiplier, q=8 / N,
                                             num_directions=K), count=self.step)
         return led
 
@@ -385,7 +385,7 @@ def test_dpzo_clip_binds_in_the_trainer(monkeypatch):
     # Identical examples whose differences dwarf the clip: every sampled example contributes
     # exactly ±C with one sign, so the clipped sum the noise is added to is ±C × (sampled
     # count). Doubling the clip or dropping it in the trainer changes that sum.
-    cfg = resumable("dpzo", eval_every=0, clip=1e-3)
+    cfg = resumable("dpzo", eval_every=0, l2_clip=1e-3)
     sums = spy_on(monkeypatch, mech, "dpzo_release")
     samples = spy_on(monkeypatch, SamplingConfig, "sample")
     st = train(cfg, loss, init_state(cfg, start(), N, public_seed=0, mechanism_seed=1), None,
@@ -394,13 +394,13 @@ def test_dpzo_clip_binds_in_the_trainer(monkeypatch):
     assert len(counts) == cfg.steps and sum(counts) > 0
     assert len(sums) == cfg.steps * K
     for i, (args, kwargs, _) in enumerate(sums):
-        assert abs(args[0]) == pytest.approx(counts[i // K] * cfg.clip, rel=1e-5, abs=1e-9)
-        assert kwargs == {"noise_multiplier": st.dp_noise_multiplier, "clip": cfg.clip,
+        assert abs(args[0]) == pytest.approx(counts[i // K] * cfg.l2_clip, rel=1e-5, abs=1e-9)
+        assert kwargs == {"noise_multiplier": st.noise_multiplier, "l2_clip": cfg.l2_clip,
                           "expected_batch_size": cfg.dp_batch_size}
     # The ledger holds that Gaussian: std σC on a sum of sensitivity C√K per example.
     (entry,) = st.ledger(cfg, N).entries
     want = dp_event.PoissonSampledDpEvent(
-        cfg.dp_batch_size / N, dp_event.GaussianDpEvent(st.dp_noise_multiplier / math.sqrt(K)))
+        cfg.dp_batch_size / N, dp_event.GaussianDpEvent(st.noise_multiplier / math.sqrt(K)))
     assert entry.event == want and entry.count == cfg.steps
 
 
@@ -413,7 +413,7 @@ def test_dpzo_is_accounted_replace_one_with_pld():
     # dp-accounting directly: the run's steps meet ε = 2 under replace-one (and tightly); the
     # same σ under add/remove claims far less, which a release stating N must not report.
     step = dp_event.PoissonSampledDpEvent(
-        8 / N, dp_event.GaussianDpEvent(st.dp_noise_multiplier / math.sqrt(K)))
+        8 / N, dp_event.GaussianDpEvent(st.noise_multiplier / math.sqrt(K)))
     eps = {}
     for rel in (dpa.NeighboringRelation.REPLACE_ONE, dpa.NeighboringRelation.ADD_OR_REMOVE_ONE):
         acc = dpa.pld.PLDAccountant(rel)
@@ -435,7 +435,7 @@ def test_dpzo_full_batch_replace_one_sensitivity_and_exact_gaussian(monkeypatch)
     # the trainer's sensitivity between two pools of the same size that differ in one example
     # (same state: same samples and noise), then check the ledger's ε against the exact
     # Gaussian of that sensitivity.
-    cfg = resumable("dpzo", eval_every=0, clip=1e-3, dp_batch_size=N, steps=4)
+    cfg = resumable("dpzo", eval_every=0, l2_clip=1e-3, dp_batch_size=N, steps=4)
     s0 = init_state(cfg, start(), N, public_seed=0, mechanism_seed=1)
     labels = np.ones(N)
     sums = []
@@ -446,8 +446,8 @@ def test_dpzo_full_batch_replace_one_sensitivity_and_exact_gaussian(monkeypatch)
         sums.append(np.array([args[0] for args, _, _ in calls]))
         monkeypatch.undo()
     sensitivity = float(np.linalg.norm(sums[0] - sums[1]))
-    assert sensitivity == pytest.approx(2 * cfg.clip * math.sqrt(K), rel=1e-4)  # replace-one
-    mu = sensitivity * math.sqrt(cfg.steps) / (s0.dp_noise_multiplier * cfg.clip)
+    assert sensitivity == pytest.approx(2 * cfg.l2_clip * math.sqrt(K), rel=1e-4)  # replace-one
+    mu = sensitivity * math.sqrt(cfg.steps) / (s0.noise_multiplier * cfg.l2_clip)
     spent = train(cfg, loss, s0, None, make_pool()).ledger(cfg, N).epsilon(1e-5)
     assert spent <= 2.0
     assert gaussian_delta(spent, mu) <= 1e-5 * (1 + 1e-9)  # the ledger covers the exact δ
@@ -458,7 +458,7 @@ def test_mezo_and_zpl_reduce_the_loss():
     pool = make_pool()
     before = pool_loss(start(), pool)
     for mechanism in ("mezo", "zpl"):
-        cfg = ZOConfig(mechanism, steps=60, learning_rate=0.1, clip=10.0, num_subsets=M,
+        cfg = ZOConfig(mechanism, steps=60, learning_rate=0.1, l2_clip=10.0, num_subsets=M,
                        num_directions=K, eval_every=20)
         st = train(cfg, loss, init_state(cfg, start(), N, public_seed=0, mechanism_seed=1),
                    None, pool, dev_fn=lambda tr: pool_loss(tr, pool))
@@ -479,10 +479,10 @@ def test_dpzo_ledger_and_schedule():
 @pytest.mark.parametrize("kwargs, match", [
     ({"mechanism": "sgd"}, "mechanism must be one of"),
     ({"mechanism": "mi"}, "needs mi_budget"),
-    ({"mechanism": "dpzo"}, "needs dp_epsilon"),
+    ({"mechanism": "dpzo"}, "needs target_epsilon"),
     ({"mechanism": "zpl", "num_subsets": 7}, "even integer"),
     ({"mechanism": "zpl", "steps": 0}, "steps must be"),
-    ({"mechanism": "zpl", "eps": -1.0}, "eps must be"),
+    ({"mechanism": "zpl", "perturbation_scale": -1.0}, "perturbation_scale must be"),
 ])
 def test_config_validation(kwargs, match):
     base = {"steps": 3, "learning_rate": 0.1}
@@ -499,7 +499,8 @@ def test_dpzo_audit_holds_the_replace_one_claim_and_flags_too_little_noise(monke
     adds a quarter of the noise (a deliberately broken variant claiming the same epsilon)."""
     from pavejax.audit import epsilon_lower_bound
 
-    cfg = resumable("dpzo", eval_every=0, clip=1e-3, dp_batch_size=N, steps=1, dp_epsilon=4.0)
+    cfg = resumable("dpzo", eval_every=0, l2_clip=1e-3, dp_batch_size=N, steps=1,
+                    target_epsilon=4.0)
     s0 = init_state(cfg, start(), N, public_seed=0, mechanism_seed=1)
     labels, sums = np.ones(N), []
     for flip in (False, True):
@@ -510,11 +511,11 @@ def test_dpzo_audit_holds_the_replace_one_claim_and_flags_too_little_noise(monke
         monkeypatch.undo()
     claimed = ran.ledger(cfg, N).epsilon(1e-5)
     assert 3.9 < claimed <= 4.0 + 1e-6
-    sigma = s0.dp_noise_multiplier * (1.0 if variant == "correct" else 0.25)
+    sigma = s0.noise_multiplier * (1.0 if variant == "correct" else 0.25)
     rng = np.random.default_rng(11)
 
     def releases(s, runs=20_000):
-        return np.array([[mech.dpzo_release(v, rng, noise_multiplier=sigma, clip=cfg.clip,
+        return np.array([[mech.dpzo_release(v, rng, noise_multiplier=sigma, l2_clip=cfg.l2_clip,
                                             expected_batch_size=N).value for v in s]
                          for _ in range(runs)])
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from pavejax import lora
-from pavejax.distributed import pad_batch
+from pavejax.privacy import pad_batch
 from pavejax.paczero import train as zo_train, two_point_differences
 from pavejax.privacy import ClipConfig, clipped_sum, data_mesh, replicate, shard_batch
 from tests import _scale_problems as P
@@ -88,11 +88,12 @@ def test_dp_s_pave_microbatch_larger_than_the_data(mesh8):
 def test_paczero_on_a_sharded_pool_equals_one_device(mesh8, mechanism):
     cfg = P.zo_config(mechanism, eval_every=0)
     pool, start = P.zo_pool(), P.zo_start()
-    g = two_point_differences(P.zo_loss, start, None, pool, jax.random.key(0), cfg.eps)
+    g = two_point_differences(P.zo_loss, start, None, pool, jax.random.key(0),
+                              cfg.perturbation_scale)
     assert int(jnp.sum(jnp.abs(g) > P.TIGHT)) > 0  # clipping is active
     pool8, start8 = shard_batch(pool, mesh8), replicate(start, mesh8)
     g8 = jax.jit(two_point_differences, static_argnums=0)(P.zo_loss, start8, None, pool8,
-                                                           jax.random.key(0), cfg.eps)
+                                                           jax.random.key(0), cfg.perturbation_scale)
     assert len(g8.sharding.device_set) == 8 and not g8.sharding.is_fully_replicated
     np.testing.assert_allclose(g8, g, rtol=1e-5, atol=1e-6)  # the forward passes split 8 ways
     one = zo_train(cfg, P.zo_loss, P.zo_init(cfg), None, pool)

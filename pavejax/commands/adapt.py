@@ -107,9 +107,9 @@ def _check_flags(ns: argparse.Namespace) -> None:
 def _config(ns: argparse.Namespace, n: int):
     from pavejax.paczero import ZOConfig
 
-    return ZOConfig(mechanism=ns.mechanism, steps=ns.steps, learning_rate=ns.lr, eps=ns.zo_eps,
-                    num_subsets=ns.subsets, clip=25.0, mi_budget=ns.mi_budget,
-                    dp_epsilon=ns.epsilon, dp_delta=ns.delta,
+    return ZOConfig(mechanism=ns.mechanism, steps=ns.steps, learning_rate=ns.lr,
+                    perturbation_scale=ns.zo_eps, num_subsets=ns.subsets, l2_clip=25.0,
+                    mi_budget=ns.mi_budget, target_epsilon=ns.epsilon, delta=ns.delta,
                     dp_batch_size=min(ns.dp_batch, n) if ns.mechanism == "dpzo" else None,
                     eval_every=max(1, ns.steps // 10))
 
@@ -128,7 +128,7 @@ def _guarantee(ns, zcfg, ledger, n: int, task: str) -> tuple[dict, dict]:
                 {"note": "non-private: no risk bound"})
     if ns.mechanism == "dpzo":
         g = sh.dp_guarantee(ledger, ns.delta, protects=pool, conditions=kept[:1] + [
-            f"per-example differences clipped to {zcfg.clip}, Poisson sampling"])
+            f"per-example differences clipped to {zcfg.l2_clip}, Poisson sampling"])
         return g, sh.risk_record(g["epsilon"], ns.delta)
     mi = ledger.mutual_information()
     post = pac.mia_posterior_bound(mi, 0.5)
@@ -200,9 +200,10 @@ def run(ns: argparse.Namespace) -> int:
                           "note": "the input model's guarantee on its own training data"},
              "model": "linear head on frozen all-MiniLM-L6-v2 mean-pooled features"}
     hyper = {"mechanism": ns.mechanism, "steps": ns.steps, "learning_rate": ns.lr,
-             "eps": ns.zo_eps, "num_subsets": zcfg.num_subsets, "mi_budget": ns.mi_budget,
-             "dp_epsilon": ns.epsilon, "dp_batch_size": zcfg.dp_batch_size,
-             "dp_noise_multiplier": state.dp_noise_multiplier, "public_seed": ns.seed}
+             "perturbation_scale": ns.zo_eps, "num_subsets": zcfg.num_subsets,
+             "mi_budget": ns.mi_budget,
+             "target_epsilon": ns.epsilon, "dp_batch_size": zcfg.dp_batch_size,
+             "noise_multiplier": state.noise_multiplier, "public_seed": ns.seed}
     digest = sh.save_model_release(ns.out, final, kind="model",
                                    mechanism=f"paczero-{ns.mechanism}" if ns.mechanism in
                                    ("zpl", "mi") else ns.mechanism, ledger=ledger,

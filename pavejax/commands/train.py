@@ -70,7 +70,7 @@ def run(ns: argparse.Namespace) -> int:
                               dev_train=ns.train_size, dev_test=ns.test_size,
                               dev_epsilon=ns.epsilon, delta=ns.delta, dev_steps=ns.steps,
                               dev_batch=ns.batch_size, dev_mode=ns.mode, dev_lr=ns.lr,
-                              dev_clip=ns.clip, seed=ns.seed)
+                              dev_l2_clip=ns.clip, seed=ns.seed)
     # train_developer draws its noise and sampling key fresh from the OS (never recorded); the
     # split seed stays public and reproducible.
     params, classes, train, _, acc, res, mcfg = train_developer(cfg, ns.task)
@@ -91,7 +91,8 @@ def run(ns: argparse.Namespace) -> int:
                 "the public initial head and anchor use no private data"],
             not_covered="the test split behind the reported accuracy (read without noise)")
         risk = sh.risk_record(guarantee["epsilon"], ns.delta)
-    hyper = {"mode": ns.mode, "steps": ns.steps, "noise_multiplier": mcfg.sigma,
+    hyper = {"mode": ns.mode, "steps": ns.steps,
+             "noise_multiplier": mcfg.resolved_noise_multiplier,
              "sampling_rate": mcfg.q, "expected_batch_size": mcfg.batch_size,
              "l2_clip": ns.clip, "learning_rate": ns.lr, "rho": mcfg.rho,
              "anchor": mcfg.anchor, "optimizer": mcfg.optimizer,
@@ -108,10 +109,10 @@ def run(ns: argparse.Namespace) -> int:
     eps = guarantee.get("epsilon", math.inf)
     summary = {"out": str(ns.out), "content_hash": digest, "task": ns.task,
                "classes": list(classes), "test_accuracy": acc, "guarantee": guarantee,
-               "noise_multiplier": mcfg.sigma, "steps": ns.steps}
+               "noise_multiplier": mcfg.resolved_noise_multiplier, "steps": ns.steps}
     sh.emit(ns, summary, [
         f"trained {ns.task!r} ({n} private examples, {ns.steps} steps, mode {ns.mode!r}, "
-        f"noise multiplier {mcfg.sigma:.4g})",
+        f"noise multiplier {mcfg.resolved_noise_multiplier:.4g})",
         f"test accuracy: {acc:.4f}",
         f"guarantee: {guarantee['kind']} epsilon={eps:.4g} at delta={ns.delta:g} (replace one "
         f"training example; the {n} examples' count is public)",

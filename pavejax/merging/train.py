@@ -96,7 +96,8 @@ class MergeTrainConfig:
       delta: the delta of the guarantee.
       l2_clip: per-example clip norm C (joint over all trainable leaves).
       batch_size: expected Poisson batch size (q = batch_size / dataset_size).
-      learning_rate, weight_decay, b1, b2, eps: AdamW (``optimizer="adamw"``) or SGD (lr only).
+      learning_rate, weight_decay, b1, b2, adam_eps: AdamW (``optimizer="adamw"``; ``adam_eps``
+        is its denominator's epsilon, not a privacy parameter) or SGD (lr only).
       schedule, warmup_fraction: the learning rate's course over the ``steps`` (see
         :func:`pavejax.recipes.schedule`): ``"constant"`` (default) or a linear warm-up over
         ``warmup_fraction`` of the steps then ``"cosine"`` or ``"linear"`` decay to zero.
@@ -122,7 +123,7 @@ class MergeTrainConfig:
     weight_decay: float = 1e-2
     b1: float = 0.9
     b2: float = 0.999
-    eps: float = 1e-8
+    adam_eps: float = 1e-8
     rho: float = 0.05
     anchor: float = 0.05
     optimizer: str = "adamw"
@@ -183,7 +184,7 @@ class MergeTrainConfig:
         return self.batch_size / self.dataset_size
 
     @functools.cached_property
-    def sigma(self) -> float:
+    def resolved_noise_multiplier(self) -> float:
         """The noise multiplier z actually used (calibrated once if a target epsilon is given)."""
         if self.noise_multiplier is not None:
             return float(self.noise_multiplier)
@@ -195,7 +196,7 @@ class MergeTrainConfig:
 
     def dp_config(self) -> DPConfig:
         """The per-query :class:`DPConfig` (Poisson sampling at rate q)."""
-        return DPConfig(self.l2_clip, self.sigma,
+        return DPConfig(self.l2_clip, self.resolved_noise_multiplier,
                         SamplingConfig("poisson", self.dataset_size, self.batch_size),
                         relation=self.relation)
 
@@ -320,7 +321,7 @@ def make_optimizer(cfg: MergeTrainConfig) -> optax.GradientTransformation:
           else schedule(cfg.schedule, cfg.learning_rate, cfg.steps, cfg.warmup_fraction))
     if cfg.optimizer == "sgd":
         return promotion_safe(optax.sgd(lr))
-    return promotion_safe(optax.adamw(lr, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
+    return promotion_safe(optax.adamw(lr, b1=cfg.b1, b2=cfg.b2, eps=cfg.adam_eps,
                                       weight_decay=cfg.weight_decay))
 
 
@@ -367,15 +368,16 @@ def _private_mean(loss_fn: LossFn, w: PyTree, frozen: PyTree, batch: PyTree, mas
 def dp_sam_step(loss_fn: LossFn, cfg: MergeTrainConfig, state: TrainState, frozen: PyTree,
                 anchor_params: PyTree, batch: PyTree, mask: jax.Array, ascent_batch: PyTree,
                 ascent_mask: jax.Array, key: jax.Array,
-                sigma: jax.Array | None = None, anchor: jax.Array | None = None, *,
+                noise_multiplier: jax.Array | None = None, anchor: jax.Array | None = None, *,
                 mesh: jax.sharding.Mesh | None = None,
                 lr_scale: jax.Array | None = None) -> tuple[TrainState, StepStats]:
     """One pure, jittable step (see the module docstring); batches are padded with masks.
 
     ``ascent_batch``/``ascent_mask`` are used only in "fresh" mode (pass the descent batch
-    otherwise). ``anchor_params`` is w0 (same structure as ``state.params``). ``sigma``
-    overrides ``cfg.sigma`` with a traced multiplier (one compilation for several budgets);
-    the caller must then account with ``step_event(cfg.mode, sigma, cfg.q)`` itself.
+    otherwise). ``anchor_params`` is w0 (same structure as ``state.params``).
+    ``noise_multiplier`` overrides ``cfg.resolved_noise_multiplier`` with a traced multiplier
+    (one compilation for several budgets); the caller must then account with
+    ``step_event(cfg.mode, noise_multiplier, cfg.q)`` itself.
     ``anchor`` likewise overrides ``cfg.anchor`` with a traced lambda (it costs no privacy).
     ``lr_scale`` multiplies the optimiser's update (a traced learning-rate factor: with
     ``cfg.learning_rate = 1`` it is the learning rate, so a vmapped sweep compiles once).
@@ -386,7 +388,8 @@ def dp_sam_step(loss_fn: LossFn, cfg: MergeTrainConfig, state: TrainState, froze
     w = state.params
     if cfg.mode in ("same", "fresh"):
         b, m = (ascent_batch, ascent_mask) if cfg.mode == "fresh" else (batch, mask)
-        direction, _ = _private_mean(loss_fn, w, frozen, b, m, k_asc, cfg, sigma, mesh)
+        direction, _ = _private_mean(loss_fn, w, frozen, b, m, k_asc, cfg, noise_multiplier,
+                                     mesh)
     elif cfg.mode == "reuse":
         direction = state.prev_grad
     elif cfg.mode == "random":
@@ -398,8 +401,8 @@ def dp_sam_step(loss_fn: LossFn, cfg: MergeTrainConfig, state: TrainState, froze
         w_eval = w
     else:
         w_eval = tree_add(w, ascent_perturbation(direction, cfg.rho))
-    grad, info = _private_mean(loss_fn, w_eval, frozen, batch, mask, k_desc, cfg, sigma,
-                               mesh)
+    grad, info = _private_mean(loss_fn, w_eval, frozen, batch, mask, k_desc, cfg,
+                               noise_multiplier, mesh)
     if anchor is not None or cfg.anchor:
         strength = cfg.anchor if anchor is None else anchor
         total = tree_add(grad, anchor_gradient(w, anchor_params, strength))
@@ -448,7 +451,8 @@ def _run(cfg: MergeTrainConfig, params: PyTree, anchor_params: PyTree) -> dict[s
     # What makes a resumed run the same run; K may grow (the budget check guards it) unless a
     # schedule spans the K steps.
     exclude = ("steps",) if _flat_rate(cfg) else ()
-    return run_record("dp-merging", cfg, exclude=exclude, sigma=cfg.sigma,
+    return run_record("dp-merging", cfg, exclude=exclude,
+                      resolved_noise_multiplier=cfg.resolved_noise_multiplier,
                       params=tree_fingerprint(params), anchor=tree_fingerprint(anchor_params))
 
 
@@ -480,8 +484,8 @@ def train_task(loss_fn: LossFn, params: PyTree, frozen: PyTree, data: PyTree, ke
     anchor_params = params if anchor_params is None else anchor_params
     sampling = cfg.dp_config().sampling
     step = _compiled_step(loss_fn, _shape_config(cfg), mesh)
-    sigma, anchor = jnp.float32(cfg.sigma), jnp.float32(cfg.anchor)
-    event = step_event(cfg.mode, cfg.sigma, cfg.q)
+    z, anchor = jnp.float32(cfg.resolved_noise_multiplier), jnp.float32(cfg.anchor)
+    event = step_event(cfg.mode, cfg.resolved_noise_multiplier, cfg.q)
     multiple = 1 if mesh is None else mesh.size
     state, losses, start, run, budget = init_state(params, cfg), [], 0, None, None
     if checkpointer is not None:
@@ -507,7 +511,7 @@ def train_task(loss_fn: LossFn, params: PyTree, frozen: PyTree, data: PyTree, ke
         else:
             batch2, mask2 = batch, mask
         state, stats = step(state, frozen, anchor_params, batch, mask, batch2, mask2, k_step,
-                            sigma, anchor)
+                            z, anchor)
         if int(stats.num_nonfinite):
             raise ValueError(f"step {k}: {int(stats.num_nonfinite)} example(s) gave a NaN/Inf "
                              "loss or gradient; check the inputs and lower the learning rate.")

@@ -92,7 +92,7 @@ def _record(state: ZOState) -> dict[str, Any]:
             "charges": [_hex(c) for c in state.charges], "unanimous": int(state.unanimous),
             "releases": int(state.releases), "has_best": state.best is not None,
             "best_dev": _hex(state.best_dev), "best_step": state.best_step,
-            "dp_noise_multiplier": _hex(state.dp_noise_multiplier),
+            "noise_multiplier": _hex(state.noise_multiplier),
             "stopped": bool(state.stopped), "origin": _origin(state)}
 
 
@@ -182,7 +182,7 @@ def _restore(checkpointer: TrainCheckpointer, config: ZOConfig, state: ZOState,
         secret=m["secret"], charges=tuple(_unhex(c) for c in m["charges"]),
         unanimous=m["unanimous"], releases=m["releases"], best=best,
         best_dev=_unhex(m["best_dev"]), best_step=m["best_step"],
-        dp_noise_multiplier=_unhex(m["dp_noise_multiplier"]), stopped=m["stopped"],
+        noise_multiplier=_unhex(m["noise_multiplier"]), stopped=m["stopped"],
         origin=m["origin"], sampling_key=ckpt.key)
     if state.step and not _same_secrets(state, restored):
         raise RunMismatchError(f"the state passed (step {state.step}) has another secret subset, "
@@ -242,7 +242,7 @@ def resume(checkpointer: TrainCheckpointer, config: ZOConfig, state: ZOState,
     state = state if restored is None else restored
     budget = resolve_budget(stored, checkpointer.budget)
     if config.mechanism == "dpzo" and budget is not None:
-        event = dpzo_step_event(state.dp_noise_multiplier, q=config.dp_batch_size / pool_size,
+        event = dpzo_step_event(state.noise_multiplier, q=config.dp_batch_size / pool_size,
                                 num_directions=config.num_directions)
         enforce_budget(state.ledger(config, pool_size), budget, event, config.steps - state.step)
     if config.mechanism == "mi":

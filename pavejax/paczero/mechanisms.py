@@ -204,12 +204,12 @@ def mezo_release(pool_mean: float) -> Release:
 
 
 def dpzo_release(clipped_sum: float, rng: np.random.Generator, *, noise_multiplier: float,
-                 clip: float, expected_batch_size: float) -> Release:
-    """DP-ZO: (Σ clip(ĝ_i) + N(0, (σ·clip)²)) / expected batch size; ``rng`` is the noise
+                 l2_clip: float, expected_batch_size: float) -> Release:
+    """DP-ZO: (Σ clip(ĝ_i) + N(0, (σ·l2_clip)²)) / expected batch size; ``rng`` is the noise
     generator (secret)."""
-    noise = noise_multiplier * clip * float(rng.standard_normal())
+    noise = noise_multiplier * l2_clip * float(rng.standard_normal())
     return Release((float(clipped_sum) + noise) / expected_batch_size,
-                   sigma=noise_multiplier * clip / expected_batch_size)
+                   sigma=noise_multiplier * l2_clip / expected_batch_size)
 
 
 def dpzo_step_event(noise_multiplier: float, *, q: float, num_directions: int = 1

@@ -65,28 +65,29 @@ class ZOConfig:
     """Hyper-parameters of a zeroth-order run (validated on construction).
 
     mechanism: ``"mezo"``, ``"dpzo"``, ``"zpl"`` or ``"mi"``. steps: T. learning_rate: η₀ (linear
-    decay to ``lr_end``). eps: perturbation scale ε. clip: per-example bound c on |ĝ_i| (the DP-ZO
-    sensitivity). num_directions: K. num_subsets: M (even). mi_budget: B in nats (``"mi"``).
+    decay to ``lr_end``). perturbation_scale: the step ε of the two-point differences (not a
+    privacy parameter). l2_clip: per-example bound C on |ĝ_i| (the DP-ZO sensitivity).
+    num_directions: K. num_subsets: M (even). mi_budget: B in nats (``"mi"``).
     faithful: reproduce the reference σ solver; its σ can leak more than the per-step budget
     (up to ~50x at β = 1e-8), which is then charged, and it falls back to the conservative σ
-    where that would overrun ``mi_budget``. dp_epsilon / dp_delta / dp_batch_size: DP-ZO target,
-    (ε, δ)-DP for one pool example replaced (the pool size is public), and the expected Poisson
-    batch. microbatch_size: forward chunk size. eval_every: dev evaluation period (0 = only at
-    the end).
+    where that would overrun ``mi_budget``. target_epsilon / delta / dp_batch_size: DP-ZO's
+    target, (ε, δ)-DP for one pool example replaced (the pool size is public), and the expected
+    Poisson batch. microbatch_size: forward chunk size. eval_every: dev evaluation period (0 =
+    only at the end).
     """
 
     mechanism: str
     steps: int
     learning_rate: float
     lr_end: float = 1e-7
-    eps: float = 1e-3
-    clip: float = 25.0
+    perturbation_scale: float = 1e-3
+    l2_clip: float = 25.0
     num_directions: int = 1
     num_subsets: int = 128
     mi_budget: float | None = None
     faithful: bool = False
-    dp_epsilon: float | None = None
-    dp_delta: float = 1e-5
+    target_epsilon: float | None = None
+    delta: float = 1e-5
     dp_batch_size: int | None = None
     microbatch_size: int | None = None
     eval_every: int = 0
@@ -98,7 +99,7 @@ class ZOConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
-        for name in ("learning_rate", "eps", "clip"):
+        for name in ("learning_rate", "perturbation_scale", "l2_clip"):
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
                 raise ValueError(f"{name} must be a finite number > 0, got {v!r}")
@@ -107,9 +108,10 @@ class ZOConfig:
         if self.mechanism == "mi" and not (self.mi_budget is not None and self.mi_budget > 0):
             raise ValueError("mechanism 'mi' needs mi_budget > 0 (nats), e.g. 0.33 (≈ ε=2 at "
                              "the MIA level)")
-        if self.mechanism == "dpzo" and (self.dp_epsilon is None or self.dp_batch_size is None):
-            raise ValueError("mechanism 'dpzo' needs dp_epsilon and dp_batch_size (the expected "
-                             "Poisson batch size)")
+        if self.mechanism == "dpzo" and (self.target_epsilon is None
+                                          or self.dp_batch_size is None):
+            raise ValueError("mechanism 'dpzo' needs target_epsilon and dp_batch_size (the "
+                             "expected Poisson batch size)")
         if self.eval_every < 0:
             raise ValueError(f"eval_every must be >= 0, got {self.eval_every}")
 
@@ -122,7 +124,7 @@ class ZOState:
     public_seed: seed of the public direction keys. mechanism: posterior, nats used, noise
     generator (secret) and coin generator. membership: (N, M) bool (public) or None. secret: j*
     (secret) or None. charges: nats charged per step. unanimous / releases: counts for the
-    unanimity rate. dp_noise_multiplier: σ of DP-ZO (relative to clip) or None. stopped: budget
+    unanimity rate. noise_multiplier: σ of DP-ZO (relative to l2_clip) or None. stopped: budget
     exhausted. origin: sha256 fingerprint of θ at step 0 (set by `train`; names the run's
     starting point in its checkpoints) or None. sampling_key: DP-ZO's Poisson-sampling key
     (secret; a full-width typed key, folded with the step) or None.
@@ -140,7 +142,7 @@ class ZOState:
     best: PyTree | None = None
     best_dev: float | None = None
     best_step: int | None = None
-    dp_noise_multiplier: float | None = None
+    noise_multiplier: float | None = None
     stopped: bool = False
     origin: str | None = None
     sampling_key: jax.Array | None = None
@@ -162,7 +164,7 @@ class ZOState:
         its DP figure must hold between pools of that size (MI charges are relation-free)."""
         led = Ledger("replace_one", "pld")
         if config.mechanism == "dpzo" and self.step:
-            led.record(mech.dpzo_step_event(self.dp_noise_multiplier,
+            led.record(mech.dpzo_step_event(self.noise_multiplier,
                                             q=config.dp_batch_size / pool_size,
                                             num_directions=config.num_directions),
                        count=self.step, label=label)
@@ -203,7 +205,7 @@ def init_state(config: ZOConfig, trainable: PyTree, pool_size: int, *, public_se
     noise = np.random.default_rng(np.random.SeedSequence() if replay is None else replay[1])
     sigma = key = None
     if config.mechanism == "dpzo":
-        sigma = _dp_noise_multiplier(float(config.dp_epsilon), float(config.dp_delta),
+        sigma = _dp_noise_multiplier(float(config.target_epsilon), float(config.delta),
                                      config.dp_batch_size / pool_size, config.steps)
         sigma *= math.sqrt(config.num_directions)
         key = fresh_key() if replay is None else _key_from(replay[2])
@@ -211,7 +213,7 @@ def init_state(config: ZOConfig, trainable: PyTree, pool_size: int, *, public_se
         noise, config.num_subsets, coins=public if config.mechanism == "zpl" else None)
     return ZOState(step=0, trainable=trainable, public_seed=int(public_seed),
                    mechanism=mechanism, membership=membership, secret=secret,
-                   dp_noise_multiplier=sigma, sampling_key=key)
+                   noise_multiplier=sigma, sampling_key=key)
 
 
 def _key_from(seed: np.random.SeedSequence) -> jax.Array:
@@ -247,10 +249,10 @@ class DeviceFunctions(NamedTuple):
     update_keys: Callable
 
 
-def _combine(plus, minus, eps, clip, mask, membership):
-    g = (plus - minus) / (jnp.float32(2.0) * eps)
+def _combine(plus, minus, scale, l2_clip, mask, membership):
+    g = (plus - minus) / (jnp.float32(2.0) * scale)
     weight = mask.astype(jnp.float32)
-    g = clip_differences(jnp.where(jnp.isfinite(g), g, jnp.float32(0.0)), clip) * weight[None]
+    g = clip_differences(jnp.where(jnp.isfinite(g), g, jnp.float32(0.0)), l2_clip) * weight[None]
     out = {"sum": jnp.sum(g, axis=1)}
     out["mean"] = out["sum"] / jnp.maximum(jnp.sum(weight), jnp.float32(1.0))
     if membership is not None:
@@ -264,7 +266,7 @@ def device_functions(loss_fn: Callable, microbatch_size: int | None) -> DeviceFu
 
     ``perturb(θ, key, ε)`` -> θ + εz; ``forward(θ, frozen, batch)`` -> per-example losses (N,),
     the same computation as inference; ``mirror(θ, point)`` -> 2θ − point, overwriting the
-    donated point; ``combine(plus (K, N), minus (K, N), ε, clip, mask, membership)`` -> the
+    donated point; ``combine(plus (K, N), minus (K, N), ε, l2_clip, mask, membership)`` -> the
     clipped ``sum``/``mean`` per direction and the subset ``signs`` (K, M);
     ``update_mirror(θ, mirror, Y, η, ε)`` and ``update_keys(θ, keys, Ys, η)`` -> new θ, donating
     θ (the consumed mirror is freed). Separate jits rather than one: the forward is compiled
@@ -288,7 +290,7 @@ def _forward(loss_fn, microbatch_size, trainable, frozen, batch):
 
 
 def zo_signals(fns: DeviceFunctions, trainable: PyTree, frozen: PyTree, batch: PyTree,
-               mask: jax.Array, keys: jax.Array, eps: jax.Array, clip: jax.Array,
+               mask: jax.Array, keys: jax.Array, scale: jax.Array, l2_clip: jax.Array,
                membership: jax.Array | None) -> dict[str, Any]:
     """Per-direction signals of one step at θ = ``trainable`` (left untouched).
 
@@ -299,23 +301,24 @@ def zo_signals(fns: DeviceFunctions, trainable: PyTree, frozen: PyTree, batch: P
     """
     plus, minus, mirror = [], [], None
     for k in range(keys.shape[0]):
-        point = fns.perturb(trainable, keys[k], eps)
+        point = fns.perturb(trainable, keys[k], scale)
         plus.append(fns.forward(point, frozen, batch))
         mirror = fns.mirror(trainable, point)
         del point  # donated to the mirror
         minus.append(fns.forward(mirror, frozen, batch))
-    out = fns.combine(jnp.stack(plus), jnp.stack(minus), eps, clip, mask, membership)
+    out = fns.combine(jnp.stack(plus), jnp.stack(minus), scale, l2_clip, mask, membership)
     if keys.shape[0] == 1:
         out["mirror"] = mirror
     return out
 
 
 def zo_update(fns: DeviceFunctions, trainable: PyTree, out: dict[str, Any], keys: jax.Array,
-              coefficients: jax.Array, learning_rate: jax.Array, eps: jax.Array) -> PyTree:
+              coefficients: jax.Array, learning_rate: jax.Array, scale: jax.Array) -> PyTree:
     """θ − η (1/K) Σ_k Y_k z_k; with K = 1 from the mirror in ``out`` (consumed), otherwise by
     regenerating each z_k. ``trainable`` is donated: do not use it afterwards."""
     if "mirror" in out:
-        return fns.update_mirror(trainable, out.pop("mirror"), coefficients, learning_rate, eps)
+        return fns.update_mirror(trainable, out.pop("mirror"), coefficients, learning_rate,
+                                 scale)
     return fns.update_keys(trainable, keys, coefficients, learning_rate)
 
 
@@ -325,8 +328,8 @@ def _releases(config: ZOConfig, state: ZOState, out: dict, noise: np.random.Gene
     if config.mechanism == "mezo":
         return [mech.mezo_release(v) for v in np.asarray(out["mean"])], m
     if config.mechanism == "dpzo":
-        return [mech.dpzo_release(v, noise, noise_multiplier=state.dp_noise_multiplier,
-                                  clip=config.clip, expected_batch_size=config.dp_batch_size)
+        return [mech.dpzo_release(v, noise, noise_multiplier=state.noise_multiplier,
+                                  l2_clip=config.l2_clip, expected_batch_size=config.dp_batch_size)
                 for v in np.asarray(out["sum"], np.float64)], m
     signs = np.asarray(out["signs"])
     if config.mechanism == "zpl":
@@ -387,7 +390,7 @@ def train(config: ZOConfig, loss_fn: Callable, state: ZOState, frozen: PyTree, p
     if checkpointer is not None:
         state, budget = resume(checkpointer, config, state, n)
     fns = device_functions(loss_fn, config.microbatch_size)
-    eps, clip = jnp.float32(config.eps), jnp.float32(config.clip)
+    scale, l2_clip = jnp.float32(config.perturbation_scale), jnp.float32(config.l2_clip)
     membership = None if state.membership is None else jnp.asarray(state.membership)
     public_key = jax.random.key(state.public_seed)
     sampler = (SamplingConfig("poisson", n, config.dp_batch_size)
@@ -408,14 +411,15 @@ def train(config: ZOConfig, loss_fn: Callable, state: ZOState, frozen: PyTree, p
         if sampler is not None:
             idx, mask = sampler.sample(jax.random.fold_in(state.sampling_key, state.step))
             batch = take_batch(pool, idx)
-        out = zo_signals(fns, state.trainable, frozen, batch, mask, keys, eps, clip, membership)
+        out = zo_signals(fns, state.trainable, frozen, batch, mask, keys, scale, l2_clip,
+                         membership)
         rels, mstate = _releases(config, state, out, noise, coins)
         mstate = dataclasses.replace(
             mstate, rng_state=noise.bit_generator.state,
             coin_state=mstate.coin_state if coins is None else coins.bit_generator.state)
         coeffs = jnp.asarray([r.value for r in rels], jnp.float32)
         lr = jnp.float32(learning_rate(config, state.step))
-        trainable = zo_update(fns, state.trainable, out, keys, coeffs, lr, eps)
+        trainable = zo_update(fns, state.trainable, out, keys, coeffs, lr, scale)
         charged = math.fsum(r.charged for r in rels)
         state = dataclasses.replace(
             state, step=state.step + 1, trainable=trainable, mechanism=mstate,
