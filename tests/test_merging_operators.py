@@ -1,5 +1,8 @@
 """Merge operators on hand-computed cases, invariants and slow reference loops."""
 
+import subprocess
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -248,6 +251,12 @@ def test_fisher_hand_computed():
     assert float(plain["w"]) == pytest.approx(2.5)
     normed = ops.fisher(base, tv, fishers=fis, normalize=True, min_fisher=0.0)
     assert float(normed["w"]) == pytest.approx(2.0)
+    # Per-task weights c = (3, 1): c F = (3, 3), so the two models count equally.
+    weighted = ops.fisher(base, tv, fishers=fis, weights=[3.0, 1.0], normalize=False,
+                          min_fisher=0.0)
+    assert float(weighted["w"]) == pytest.approx(2.0)
+    with pytest.raises(ValueError, match="one entry per task"):
+        ops.fisher(base, tv, fishers=fis, weights=[1.0, 1.0, 1.0])
 
 
 def test_regmean_hand_computed_and_errors():
@@ -255,12 +264,43 @@ def test_regmean_hand_computed_and_errors():
     k1 = np.arange(6, dtype=F).reshape(2, 3)
     k2 = -np.arange(6, dtype=F).reshape(2, 3) - 1
     tv = {"k": jnp.asarray(np.stack([k1, k2])), "b": jnp.array([[1.0, 1, 1], [3, 3, 3]])}
-    grams = {"k": jnp.asarray(np.stack([np.diag([1.0, 0]), np.diag([0, 1.0])]).astype(F))}
+    g1, g2 = np.diag([1.0, 0]).astype(F), np.diag([0, 1.0]).astype(F)
+    grams = {"k": jnp.asarray(np.stack([g1, g2])), "b": None}
     out = ops.regmean(base, tv, grams=grams)
     # Input 0 is only seen by task 1, input 1 only by task 2: rows come from each model.
     np.testing.assert_allclose(out["k"], np.stack([k1[0], k2[1]]), atol=1e-6)
     np.testing.assert_allclose(out["b"], [2.0, 2.0, 2.0])
-    with pytest.raises(ValueError, match="grams name leaves"):
+    # A list of per-task Gram pytrees is the same as the stacked form.
+    listed = ops.regmean(base, tv, grams=[{"k": jnp.asarray(g1), "b": None},
+                                          {"k": jnp.asarray(g2), "b": None}])
+    np.testing.assert_array_equal(listed["k"], out["k"])
+    with pytest.raises(ValueError, match="structure of base"):
         ops.regmean(base, tv, grams={"nope": grams["k"]})
     with pytest.raises(ValueError, match="expected \\(T, in, in\\)"):
-        ops.regmean(base, tv, grams={"k": jnp.zeros((2, 3, 3))})
+        ops.regmean(base, tv, grams={"k": jnp.zeros((2, 3, 3)), "b": None})
+
+
+# ------------------------------------------------------------------ imports
+
+_HEAVY = ("orbax", "dp_accounting", "flax", "pavejax.models", "pavejax.data")
+
+
+@pytest.mark.parametrize("module", ["pavejax.merging", "pavejax.merging.operators"])
+def test_importing_the_operators_loads_no_accountant_checkpointer_or_model(module):
+    code = (f"import sys, {module}\n"
+            f"heavy = sorted(m for m in sys.modules if m.startswith({_HEAVY!r}))\n"
+            "assert not heavy, heavy\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_training_names_load_on_first_access():
+    import pavejax.merging as merging
+    from pavejax.merging import train
+
+    for name in merging._TRAIN_NAMES:
+        assert getattr(merging, name) is getattr(train, name)
+    assert set(merging._TRAIN_NAMES) <= set(dir(merging))
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        merging.nope  # noqa: B018

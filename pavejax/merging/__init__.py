@@ -1,4 +1,13 @@
-"""DP-Merging: mergeable DP fine-tuning, merge operators and merge diagnostics."""
+"""DP-Merging: mergeable DP fine-tuning, merge operators and merge diagnostics.
+
+The operators and diagnostics are pure JAX and load eagerly. The DP fine-tuning names
+(:mod:`pavejax.merging.train`: ``train_task``, ``MergeTrainConfig``, ...) load on first access,
+so ``import pavejax.merging`` pulls in neither the accountant (dp_accounting) nor the
+checkpointer (Orbax).
+"""
+
+import importlib
+from typing import Any
 
 from pavejax.merging.diagnostics import (
     hessian_vector_product as hessian_vector_product,
@@ -24,16 +33,19 @@ from pavejax.merging.operators import (
     wudi as wudi,
 )
 from pavejax.merging.spectral import tsv_m as tsv_m
-from pavejax.merging.train import (
-    MODES as MODES,
-    MergeTrainConfig as MergeTrainConfig,
-    TrainResult as TrainResult,
-    TrainState as TrainState,
-    calibrate_mode_noise as calibrate_mode_noise,
-    dp_sam_step as dp_sam_step,
-    init_state as init_state,
-    mode_epsilon as mode_epsilon,
-    run_event as run_event,
-    step_event as step_event,
-    train_task as train_task,
-)
+
+# Names re-exported from pavejax.merging.train, imported on first access (PEP 562).
+_TRAIN_NAMES = frozenset({
+    "MODES", "MergeTrainConfig", "TrainResult", "TrainState", "calibrate_mode_noise",
+    "dp_sam_step", "init_state", "mode_epsilon", "run_event", "step_event", "train_task",
+})
+
+
+def __getattr__(name: str) -> Any:
+    if name in _TRAIN_NAMES:
+        return getattr(importlib.import_module("pavejax.merging.train"), name)
+    raise AttributeError(f"module 'pavejax.merging' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | _TRAIN_NAMES)

@@ -1,9 +1,26 @@
 """Model-merging operators on pytrees: WA, TA, TIES, DARE, PCB, WUDI, Iso-C, Fisher, RegMean.
 
-Every operator has the signature ``op(base, task_vectors, **hyper) -> merged_params`` where
+Every operator has one signature, ``op(base, task_vectors, *, <keywords>) -> merged``:
 ``base`` is the shared pretrained pytree w0 and ``task_vectors`` holds tau_t = w_t - w0 for
 T tasks, either as a sequence of T pytrees or as one pytree whose leaves carry a leading task
-axis T (see :func:`task_vectors`). The result has the structure and dtypes of ``base``.
+axis T (see :func:`task_vectors`); everything else is a keyword. The result has the structure
+and dtypes of ``base``.
+
+Per-task inputs are keyword pytrees that follow the task-vector convention (the structure of
+``base`` with a leading task axis T on each leaf, or a list of T pytrees shaped like ``base``):
+
+- ``fisher(fishers=)``: diagonal Fisher estimates, leaves (T, *leaf.shape);
+- ``regmean(grams=)``: input Grams (T, in, in) on the 2-D kernels to merge by RegMean,
+  ``None`` on the leaves to average;
+- ``dare(masks=)``: boolean keep-masks, leaves (T, *leaf.shape), or ``key=`` to draw them;
+- ``ties(weights=)``, ``fisher(weights=)``: per-task weights, shape (T,).
+
+Under ``jax.jit`` and ``jax.vmap``: hyper-parameters that enter only the arithmetic
+(``scaling``, ``weights``, ``drop_rate``, ``min_fisher``, ``reduce_non_diagonal``, WUDI's
+``lr``) may be traced arrays, so ``jax.vmap(lambda lam: ties(base, tvs, scaling=lam))`` sweeps
+lambda in one program. Hyper-parameters that fix shapes, sizes or branches (``density``,
+``ratio``, ``clamp``, ``iters``, ``normalize`` and the string options) must be Python values;
+a traced one raises ``TypeError`` naming it. Range checks run on concrete values only.
 
 Privacy: merging the task vectors of DP-trained models is post-processing; it costs nothing
 beyond the training ledgers (tasks on disjoint data compose in parallel). :func:`fisher` and
@@ -19,7 +36,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -56,11 +73,26 @@ def _stacked(base: PyTree, tvs: PyTree) -> PyTree:
     return tvs
 
 
-def apply_task_vector(base: PyTree, merged_tv: PyTree, scaling: float = 1.0) -> PyTree:
-    """``base + scaling * merged_tv`` in the dtypes of ``base``."""
-    s = float(scaling)
-    return jax.tree.map(lambda b, t: (b + t.astype(b.dtype) * jnp.asarray(s, b.dtype)),
+def apply_task_vector(base: PyTree, merged_tv: PyTree,
+                      scaling: float | jax.Array = 1.0) -> PyTree:
+    """``base + scaling * merged_tv`` in the dtypes of ``base`` (``scaling`` may be traced)."""
+    return jax.tree.map(lambda b, t: (b + t.astype(b.dtype) * jnp.asarray(scaling, b.dtype)),
                         base, merged_tv)
+
+
+def _grams_leaves(base: PyTree, grams: PyTree) -> list[jax.Array | None]:
+    """RegMean's Grams aligned with ``base``'s leaves: an array, or None for "average"."""
+    if isinstance(grams, (list, tuple)):
+        if not grams:
+            raise ValueError("grams is empty; pass one Gram pytree per task or stacked Grams.")
+        grams = jax.tree.map(lambda *xs: jnp.stack(xs), *grams)
+    try:
+        leaves = jax.tree.structure(base).flatten_up_to(grams)
+    except (ValueError, TypeError) as e:
+        raise ValueError("grams must have the structure of base, with stacked Grams "
+                         "(T, in, in) on the kernels to merge and None on the other leaves "
+                         f"({e}).") from None
+    return leaves
 
 
 def _flat(tvs: PyTree) -> tuple[jax.Array, Callable[[jax.Array], PyTree]]:
@@ -80,7 +112,27 @@ def _flat(tvs: PyTree) -> tuple[jax.Array, Callable[[jax.Array], PyTree]]:
     return mat, unflat
 
 
-def _check_fraction(name: str, value: float, *, closed_low: bool = False) -> float:
+def _traced(value: Any) -> bool:
+    return isinstance(value, jax.core.Tracer)
+
+
+def _static(name: str, value: Any, why: str) -> Any:
+    """``value`` unchanged, or a TypeError if it is traced: ``name`` must be known at trace time."""
+    if _traced(value):
+        raise TypeError(f"{name} must be a Python value, not a traced array: it {why}, which "
+                        f"must be known when the operator is traced. Pass a Python number "
+                        f"(under jax.jit, close over it or list {name!r} in static_argnames); "
+                        f"only multipliers such as scaling may be traced.")
+    return value
+
+
+def _check_fraction(name: str, value: Any, *, closed_low: bool = False,
+                    static: str | None = None) -> Any:
+    """Range check of a fraction on concrete values; ``static`` (why) forbids a traced value."""
+    if static is not None:
+        _static(name, value, static)
+    elif _traced(value):
+        return value
     v = float(value)
     if not (0 <= v <= 1 if closed_low else 0 < v <= 1):
         raise ValueError(f"{name} must be in {'[0' if closed_low else '(0'}, 1], got {value!r}.")
@@ -102,8 +154,12 @@ def weight_average(base: PyTree, task_vectors: PyTree) -> PyTree:
     return apply_task_vector(base, jax.tree.map(lambda t: jnp.mean(t, 0), tvs))
 
 
-def task_arithmetic(base: PyTree, task_vectors: PyTree, *, scaling: float = 0.3) -> PyTree:
-    """Task arithmetic: ``w0 + scaling * sum_t tau_t`` (default 0.3, as in DP-Merging)."""
+def task_arithmetic(base: PyTree, task_vectors: PyTree, *,
+                    scaling: float | jax.Array = 0.3) -> PyTree:
+    """Task arithmetic: ``w0 + scaling * sum_t tau_t`` (default 0.3, as in DP-Merging).
+
+    ``scaling`` may be traced: ``jax.vmap(lambda s: task_arithmetic(w0, tvs, scaling=s))``.
+    """
     tvs = _stacked(base, task_vectors)
     return apply_task_vector(base, jax.tree.map(lambda t: jnp.sum(t, 0), tvs), scaling)
 
@@ -158,8 +214,8 @@ _TIES_MERGES = ("sum", "mean", "max")
 
 
 def ties(base: PyTree, task_vectors: PyTree, *, density: float = 0.2, merge: str = "sum",
-         scaling: float = 0.3, scope: str = "global",
-         weights: Sequence[float] | None = None) -> PyTree:
+         scaling: float | jax.Array = 0.3, scope: str = "global",
+         weights: Sequence[float] | jax.Array | None = None) -> PyTree:
     """TIES-Merging: trim to the top ``density`` magnitudes, elect signs by mass, disjoint merge.
 
     ``scope="global"`` follows the original paper's code (= fusion_bench ``ties_merging``): the
@@ -171,9 +227,10 @@ def ties(base: PyTree, task_vectors: PyTree, *, density: float = 0.2, merge: str
     kept (ties broken toward the lower index), ``weights`` multiply tau_t before the election,
     zero sums elect +1, ``merge="mean"`` divides by the sum of agreeing weights.
     Result: ``w0 + scaling * tau_merged``. Defaults: density 0.2, disjoint sum, scaling 0.3.
+    ``scaling`` and ``weights`` may be traced; ``density`` must be a Python number.
     """
     tvs = _stacked(base, task_vectors)
-    density = _check_fraction("density", density)
+    density = _check_fraction("density", density, static="sets how many entries are kept")
     if merge not in _TIES_MERGES:
         raise ValueError(f"merge must be one of {_TIES_MERGES}, got {merge!r}.")
     if scope == "global":
@@ -207,21 +264,25 @@ def dare_masks(key: jax.Array, task_vectors: PyTree, drop_rate: float) -> PyTree
 
 
 def dare(base: PyTree, task_vectors: PyTree, *, key: jax.Array | None = None,
-         drop_rate: float = 0.5, scaling: float = 0.3, masks: PyTree | None = None) -> PyTree:
+         drop_rate: float | jax.Array = 0.5, scaling: float | jax.Array = 0.3,
+         masks: PyTree | None = None) -> PyTree:
     """DARE + task arithmetic: ``w0 + scaling * sum_t m_t * tau_t / (1 - drop_rate)``.
 
     The keep-masks ``m_t`` come from ``key`` (:func:`dare_masks`) or are given as ``masks``
-    (bool, shaped like the stacked task vectors). E[m * tau / (1 - p)] = tau. Rescaling is
-    fusion_bench's ``1 / (1 - p)``, not mergekit's L1-norm matching.
+    (bool, in the task-vector convention). E[m * tau / (1 - p)] = tau. Rescaling is
+    fusion_bench's ``1 / (1 - p)``, not mergekit's L1-norm matching. ``drop_rate`` and
+    ``scaling`` may be traced.
     """
     tvs = _stacked(base, task_vectors)
-    p = float(drop_rate)
-    if not 0 <= p < 1:
+    p = drop_rate if _traced(drop_rate) else float(drop_rate)
+    if not _traced(p) and not 0 <= p < 1:
         raise ValueError(f"drop_rate must be in [0, 1), got {drop_rate!r}.")
     if masks is None:
         if key is None:
             raise ValueError("dare needs a PRNG key (key=...) or explicit masks (masks=...).")
         masks = dare_masks(key, tvs, p)
+    else:
+        masks = _stacked(base, masks)
     inv = 1.0 / (1.0 - p)
     dropped = jax.tree.map(lambda t, m: jnp.where(m, t, 0) * jnp.asarray(inv, t.dtype), tvs,
                            masks)
@@ -252,7 +313,7 @@ def _pcb_flat(mat: jax.Array, ratio: float, clamp: float, variant: str) -> jax.A
 
 
 def pcb(base: PyTree, task_vectors: PyTree, *, ratio: float = 0.1, clamp: float = 1e-4,
-        scaling: float = 1.0, variant: str = "official") -> PyTree:
+        scaling: float | jax.Array = 1.0, variant: str = "official") -> PyTree:
     """PCB-Merging (official ``PCB_merge``): balance, drop to the top ``ratio``, rescale.
 
     On the flattened (T, d) task vectors: magnitudes ``a`` clamped to their [clamp, 1-clamp]
@@ -261,11 +322,12 @@ def pcb(base: PyTree, task_vectors: PyTree, *, ratio: float = 0.1, clamp: float 
     scale = minmax(beta clamped below at its int(d(1-ratio))-th order statistic) with beta =
     intra * inter; ``tau_m = sum_t tc_t scale_t / max(sum_t scale_t, 1e-12)``; result
     ``w0 + scaling * tau_m``. Defaults are those of the official file (ratio 0.1, clamp 1e-4);
-    the vision code uses ratio 0.05, clamp 0.01, scaling 1.2.
+    the vision code uses ratio 0.05, clamp 0.01, scaling 1.2. ``scaling`` may be traced;
+    ``ratio`` and ``clamp`` must be Python numbers.
     """
     tvs = _stacked(base, task_vectors)
-    ratio = _check_fraction("ratio", ratio)
-    clamp = _check_fraction("clamp", clamp, closed_low=True)
+    ratio = _check_fraction("ratio", ratio, static="picks an order statistic")
+    clamp = _check_fraction("clamp", clamp, closed_low=True, static="picks an order statistic")
     if variant not in ("official", "vision"):
         raise ValueError(f"variant must be 'official' or 'vision', got {variant!r}.")
     mat, unflat = _flat(tvs)
@@ -290,8 +352,8 @@ def _wudi_loss(m: jax.Array, taus: jax.Array, layout: str) -> jax.Array:
     return jnp.sum(jnp.where(norms > 0, per_task, 0.0))
 
 
-@functools.partial(jax.jit, static_argnums=(1, 2, 3))
-def _wudi_leaf(taus: jax.Array, iters: int, lr: float, layout: str) -> jax.Array:
+@functools.partial(jax.jit, static_argnums=(1, 3))
+def _wudi_leaf(taus: jax.Array, iters: int, lr: jax.Array, layout: str) -> jax.Array:
     taus = taus.astype(jnp.float32)
     tx = promotion_safe(optax.adam(lr))
     grad = jax.grad(_wudi_loss)
@@ -306,7 +368,7 @@ def _wudi_leaf(taus: jax.Array, iters: int, lr: float, layout: str) -> jax.Array
     return m
 
 
-def wudi(base: PyTree, task_vectors: PyTree, *, iters: int = 300, lr: float = 1e-5,
+def wudi(base: PyTree, task_vectors: PyTree, *, iters: int = 300, lr: float | jax.Array = 1e-5,
          layout: str = "flax", others: str = "mean",
          selector: Callable[[str, jax.Array], bool] | None = None) -> PyTree:
     """WUDI-Merging: per linear layer, data-free Adam on the interference loss.
@@ -318,12 +380,14 @@ def wudi(base: PyTree, task_vectors: PyTree, *, iters: int = 300, lr: float = 1e
     objective as ``||(K_m - K_t)^T K_t||_F^2``. Unselected leaves get the mean of the task
     vectors (``others="mean"``, fusion_bench) or stay at w0 (``"zero"``, official ViT code).
     ``selector(path, leaf)`` defaults to "every 2-D leaf". Result: ``w0 + tau_m`` (no scaling).
+    ``lr`` may be traced; ``iters`` must be a Python int.
     """
     tvs = _stacked(base, task_vectors)
     if layout not in ("flax", "torch"):
         raise ValueError(f"layout must be 'flax' (in, out) or 'torch' (out, in), got {layout!r}.")
     if others not in ("mean", "zero"):
         raise ValueError(f"others must be 'mean' or 'zero', got {others!r}.")
+    _static("iters", iters, "sets the number of Adam steps (the scan length)")
     if not isinstance(iters, int) or iters < 0:
         raise ValueError(f"iters must be an int >= 0, got {iters!r}.")
     selector = _is_matrix if selector is None else selector
@@ -332,18 +396,18 @@ def wudi(base: PyTree, task_vectors: PyTree, *, iters: int = 300, lr: float = 1e
     merged = []
     for name, b, t in zip(names, jax.tree.leaves(base), leaves, strict=True):
         if b.ndim == 2 and selector(name, b):
-            merged.append(_wudi_leaf(t, iters, float(lr), layout))
+            merged.append(_wudi_leaf(t, iters, lr if _traced(lr) else float(lr), layout))
         else:
             merged.append(jnp.mean(t, 0) if others == "mean" else jnp.zeros_like(b))
     return apply_task_vector(base, jax.tree.unflatten(treedef, merged))
 
 
-def iso_c(base: PyTree, task_vectors: PyTree, *, scaling: float = 1.0) -> PyTree:
+def iso_c(base: PyTree, task_vectors: PyTree, *, scaling: float | jax.Array = 1.0) -> PyTree:
     """Iso-C: for each 2-D leaf, ``sum_t tau_t = U S V^T`` becomes ``U mean(S) V^T``.
 
     Other leaves get the mean of the task vectors. Result ``w0 + scaling * tau_m``
-    (fusion_bench ``iso_c`` with ``scaling_factor`` 1.0). Transpose-equivariant, so the layout
-    of the kernels does not matter.
+    (fusion_bench ``iso_c`` with ``scaling_factor`` 1.0; ``scaling`` may be traced).
+    Transpose-equivariant, so the layout of the kernels does not matter.
     """
     tvs = _stacked(base, task_vectors)
 
@@ -360,22 +424,26 @@ def iso_c(base: PyTree, task_vectors: PyTree, *, scaling: float = 1.0) -> PyTree
 
 
 def fisher(base: PyTree, task_vectors: PyTree, *, fishers: PyTree,
-           coefficients: Sequence[float] | None = None, normalize: bool = True,
-           min_fisher: float = 1e-6) -> PyTree:
+           weights: Sequence[float] | jax.Array | None = None, normalize: bool = True,
+           min_fisher: float | jax.Array = 1e-6) -> PyTree:
     """Fisher merging: ``w = sum_t c_t F_t w_t / sum_t c_t F_t`` elementwise on full weights.
 
-    ``fishers``: stacked diagonal Fisher estimates (leaves (T, *shape), >= 0). ``F_t`` gets
-    ``+ min_fisher``; ``c_t`` defaults to 1/T and, with ``normalize``, becomes
-    ``c_t (1/||F_t||) / sum_s c_s (1/||F_s||)`` with ``||F_t||`` the global L2 norm of task t's
-    raw Fisher (fusion_bench ``merging_with_fisher_weights``). **Non-private** unless the
-    Fisher estimates were released by a DP mechanism (they are read from the task data).
+    ``fishers``: diagonal Fisher estimates in the task-vector convention (leaves
+    (T, *leaf.shape), >= 0). ``F_t`` gets ``+ min_fisher``; ``c_t`` (``weights``, shape (T,))
+    defaults to 1/T and, with ``normalize``, becomes ``c_t (1/||F_t||) / sum_s c_s (1/||F_s||)``
+    with ``||F_t||`` the global L2 norm of task t's raw Fisher (fusion_bench
+    ``merging_with_fisher_weights``). ``weights`` and ``min_fisher`` may be traced.
+    **Non-private** unless the Fisher estimates were released by a DP mechanism (they are read
+    from the task data).
     """
     tvs = _stacked(base, task_vectors)
     fs = _stacked(base, fishers)
     t = jax.tree.leaves(tvs)[0].shape[0]
-    c = jnp.full((t,), 1.0 / t, jnp.float32) if coefficients is None else jnp.asarray(
-        coefficients, jnp.float32)
-    if normalize:
+    c = jnp.full((t,), 1.0 / t, jnp.float32) if weights is None else jnp.asarray(
+        weights, jnp.float32)
+    if c.shape != (t,):
+        raise ValueError(f"weights must have one entry per task ({t}), got shape {c.shape}.")
+    if _static("normalize", normalize, "chooses a branch"):
         norms = jnp.sqrt(sum(jnp.sum(jnp.square(f.reshape(t, -1).astype(jnp.float32)), 1)
                              for f in jax.tree.leaves(fs)))
         inv = 1.0 / norms
@@ -390,29 +458,29 @@ def fisher(base: PyTree, task_vectors: PyTree, *, fishers: PyTree,
     return jax.tree.map(leaf, base, tvs, fs)
 
 
-def regmean(base: PyTree, task_vectors: PyTree, *, grams: Mapping[str, jax.Array],
-            reduce_non_diagonal: float = 0.95) -> PyTree:
+def regmean(base: PyTree, task_vectors: PyTree, *, grams: PyTree,
+            reduce_non_diagonal: float | jax.Array = 0.95) -> PyTree:
     """RegMean on Flax kernels (in, out): ``K = (sum_t G~_t)^-1 sum_t G~_t K_t``.
 
-    ``grams`` maps a kernel's path (``pavejax.lora.path_string`` form) to the stacked input
-    Grams (T, in, in), ``G_t = X_t^T X_t / n_t``; ``G~_t`` scales off-diagonals by
-    ``reduce_non_diagonal``. Leaves not in ``grams`` get the mean of the models. **Non-private**
-    unless the Grams were released by a DP mechanism (they are read from the task data).
+    ``grams`` has the structure of ``base``: on each 2-D kernel to merge, the stacked input
+    Grams (T, in, in), ``G_t = X_t^T X_t / n_t``; ``None`` on the leaves that get the plain
+    mean of the models (or a list of T such pytrees). ``G~_t`` scales off-diagonals by
+    ``reduce_non_diagonal`` (may be traced). For a flat dict of parameters,
+    ``{**{k: None for k in base}, "kernel": g}`` selects one kernel. **Non-private** unless the
+    Grams were released by a DP mechanism (they are read from the task data).
     """
     tvs = _stacked(base, task_vectors)
     r = _check_fraction("reduce_non_diagonal", reduce_non_diagonal, closed_low=True)
     names = list(named_leaves(base))
-    unknown = set(grams) - set(names)
-    if unknown:
-        raise ValueError(f"grams name leaves that base does not have: {sorted(unknown)}.")
     leaves, treedef = jax.tree.flatten(tvs)
     out = []
-    for name, b, tau in zip(names, jax.tree.leaves(base), leaves, strict=True):
+    for name, b, tau, g in zip(names, jax.tree.leaves(base), leaves, _grams_leaves(base, grams),
+                               strict=True):
         thetas = b[None].astype(jnp.float32) + tau.astype(jnp.float32)
-        if name not in grams:
+        if g is None:
             out.append(jnp.mean(thetas, 0).astype(b.dtype))
             continue
-        g = jnp.asarray(grams[name], jnp.float32)
+        g = jnp.asarray(g, jnp.float32)
         if b.ndim != 2 or g.shape != (thetas.shape[0], b.shape[0], b.shape[0]):
             raise ValueError(f"grams[{name!r}] has shape {g.shape}; expected (T, in, in) = "
                              f"({thetas.shape[0]}, {b.shape[0]}, {b.shape[0]}) for a 2-D kernel.")

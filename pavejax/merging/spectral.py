@@ -1,8 +1,9 @@
 """Spectral merge operators on 2-D leaves: TSV-M (task singular vectors).
 
-Same signature as :mod:`pavejax.merging.operators`: ``op(base, task_vectors, **hyper)`` with
-stacked task vectors (leaves of shape (T, *leaf.shape)) or a list of pytrees; returns merged
-parameters.
+Same signature and tracing rules as :mod:`pavejax.merging.operators`:
+``op(base, task_vectors, *, <keywords>)`` with stacked task vectors (leaves of shape
+(T, *leaf.shape)) or a list of pytrees; returns merged parameters. ``scaling`` may be traced
+(jit, vmap).
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ def _tsv_leaf(taus: jax.Array) -> jax.Array:
     return (_polar(u_cat) * s_cat[None, :]) @ _polar(v_cat)
 
 
-def tsv_m(base: PyTree, task_vectors: PyTree, *, scaling: float = 1.0) -> PyTree:
+def tsv_m(base: PyTree, task_vectors: PyTree, *, scaling: float | jax.Array = 1.0) -> PyTree:
     """TSV-M (fusion_bench ``compute_and_sum_svd_mem_reduction``), per 2-D leaf (m, n).
 
     Each task keeps its top ``k = min(m, n) // T`` singular triplets, placed in task blocks of
