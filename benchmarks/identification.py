@@ -1,6 +1,6 @@
 """Model identification in a learnware market: PAVE vs RKME vs random vs oracle, then reuse.
 
-Market (:func:`pavejax.data.build_market`, text track, real all-MiniLM-L6-v2 and real text):
+Market (:func:`pavejax.experiments.build_market`, text track, real all-MiniLM-L6-v2 and real text):
 developers are linear heads on frozen MiniLM features, one per (domain x class subset x
 quality) over the sentiment domains (movie, amazon, nyt, tweets) and BBC topics, including
 undertrained and label-corrupted variants; users hold few-shot labelled sets of a domain and a
@@ -95,8 +95,8 @@ import numpy as np
 import optax
 
 from pavejax import lora
-from pavejax.data.market import Market, MarketConfig, build_market, evaluate_market
-from pavejax.data.market_metrics import class_identity_accuracy, ranking_metrics
+from pavejax.data import class_identity_accuracy, ranking_metrics
+from pavejax.experiments import Market, MarketConfig, build_market, evaluate_market
 from pavejax.optim import promotion_safe
 from pavejax.pave.rkme import RKMEConfig, fit_rkme, mmd2_matrix
 from pavejax.pave.spec import PRESETS, SpecConfig

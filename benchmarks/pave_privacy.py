@@ -113,8 +113,8 @@ import numpy as np
 
 from pavejax import lora
 from pavejax.accounting import Ledger
-from pavejax.data.market import build_market, evaluate_market
-from pavejax.data.market_metrics import ranking_metrics
+from pavejax.data import ranking_metrics
+from pavejax.experiments import build_market, evaluate_market
 from pavejax.pave import spec as S
 from pavejax.pave.text import TextSpecBackbone
 from pavejax.privacy import per_example_norms, privatize_sum

@@ -32,8 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["LifecycleConfig", "adapt_zpl", "apply_head", "developer_spec", "example_loss", "head0",
-           "run_lifecycle", "train_developer"]
+__all__ = ["LifecycleConfig", "adapt_zpl", "developer_spec", "run_lifecycle", "train_developer"]
 
 PyTree = Any
 
@@ -108,7 +107,7 @@ class LifecycleConfig:
 
 def _features(texts: Sequence[str], seq_len: int) -> np.ndarray:
     """Frozen all-MiniLM-L6-v2 mean-pooled features (n, 384) float32 (cached per process)."""
-    from pavejax.data.market import embed_texts
+    from pavejax.models import embed_texts
 
     return embed_texts(list(texts), max_length=seq_len)
 
@@ -118,29 +117,9 @@ def _data(texts: Sequence[str], labels: Any, seq_len: int) -> dict[str, jax.Arra
             "y": jnp.asarray(np.asarray(labels), jnp.int32)}
 
 
-def head0(hidden: int, classes: Sequence[str]) -> dict[str, jax.Array]:
-    """The public initial head of a label space (label-keyed, so developers sharing classes
-    share it and their models merge): ``{"kernel": (hidden, k), "bias": (k,)}``."""
-    from pavejax.pave.spec import label_space_head
-
-    return {"kernel": jnp.asarray(label_space_head(hidden, tuple(classes), seed=1)),
-            "bias": jnp.zeros((len(classes),), jnp.float32)}
-
-
-@jax.jit
-def apply_head(params: dict, x: jax.Array) -> jax.Array:
-    """Logits (n, k) of the task model ``params`` on pooled features ``x`` (n, hidden)."""
-    return x @ params["kernel"] + params["bias"][None, :]
-
-
-def example_loss(params: dict, frozen: Any, ex: dict) -> jax.Array:
-    """Per-example cross-entropy of the task model (``ex = {"x": (hidden,), "y": ()}``)."""
-    z = ex["x"] @ params["kernel"] + params["bias"]
-    return -jax.nn.log_softmax(z)[ex["y"]]
-
-
 def _accuracy(params, data, classes, user_classes) -> float:
-    from pavejax.data.market_metrics import class_identity_accuracy
+    from pavejax.data import class_identity_accuracy
+    from pavejax.models import apply_head
 
     return class_identity_accuracy(np.asarray(apply_head(params, data["x"])), tuple(classes),
                                    np.asarray(data["y"]), tuple(user_classes))
@@ -163,6 +142,7 @@ def train_developer(cfg: LifecycleConfig, task_name: str, noise_key: jax.Array |
     from pavejax import recipes
     from pavejax.data import load_task
     from pavejax.merging import train as mt
+    from pavejax.models import example_loss, head0
     from pavejax.privacy import fresh_key
 
     task = load_task(task_name, seed=cfg.seed, max_train=cfg.dev_train, max_test=cfg.dev_test)
@@ -187,6 +167,7 @@ def train_developer(cfg: LifecycleConfig, task_name: str, noise_key: jax.Array |
 
 def developer_spec(cfg: LifecycleConfig, tb, a_key, params, classes, train, texts, name: str):
     """DP-S-PAVE spec of a developer model on (a prefix of) its training inputs."""
+    from pavejax.models import apply_head
     from pavejax.pave.spec import PrivacyConfig, SpecConfig
 
     m = min(cfg.spec_examples, len(texts))
@@ -202,7 +183,7 @@ def developer_spec(cfg: LifecycleConfig, tb, a_key, params, classes, train, text
 def run_lifecycle(cfg: LifecycleConfig, log: Callable[[str], None] = print) -> dict[str, Any]:
     """Run the lifecycle; return the summary (also written to ``cfg.out_dir``)."""
     from pavejax.data import few_shot as take_few_shot, load_task
-    from pavejax.models import load_minilm
+    from pavejax.models import head0, load_minilm
     from pavejax.pave.dock import Dock
     from pavejax.pave.reuse import merge_topk
     from pavejax.pave.spec import SpecConfig
@@ -329,6 +310,7 @@ def run_lifecycle(cfg: LifecycleConfig, log: Callable[[str], None] = print) -> d
 def adapt_zpl(cfg: LifecycleConfig, params: dict, pool: dict, dev: dict):
     """PACZero-ZPL on the user's private pool; dev selection on the few shots (the start
     counts as a candidate, so selection never returns a worse dev loss than the input)."""
+    from pavejax.models import apply_head, example_loss
     from pavejax.paczero import train as zt_train
     from pavejax.paczero.train import ZOConfig, init_state
 

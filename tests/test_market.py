@@ -1,5 +1,5 @@
-"""Learnware market: determinism, a computed oracle, disjoint data, ranking metrics, bad configs,
-and the developers' trainers (default constant-rate Adam; the tuned-recipe AdamW)."""
+"""Learnware market: determinism, a computed oracle, disjoint data, bad configs, and the
+developers' trainers (default constant-rate Adam; the tuned-recipe AdamW)."""
 
 import dataclasses
 
@@ -11,19 +11,15 @@ import pytest
 from flax import nnx
 
 from pavejax import recipes
-from pavejax.data import market as mk
-from pavejax.data.market import (
+from pavejax.data import Split, Task, oracle_best
+from pavejax.experiments import (
     MarketConfig,
     build_market,
-    class_identity_accuracy,
     developer_classifier,
-    embed_texts,
     evaluate_market,
     example_hashes,
-    oracle_best,
-    ranking_metrics,
 )
-from pavejax.data.tasks import Split, Task
+from pavejax.experiments import market as mk
 from pavejax.optim import promotion_safe
 
 SMALL = MarketConfig(track="vision", n_developers=8, n_users=4, shots_per_class=3, seed=0,
@@ -145,49 +141,6 @@ def test_user_test_sets_are_disjoint_from_everything_trained_on(market):
         assert not hashes(user.few_shot) & trained
 
 
-def test_class_identity_accuracy_by_hand():
-    logits = np.array([[3.0, 2.0, 9.0], [1.0, 2.0, 9.0], [0.0, 0.0, 0.0]], np.float32)
-    # "7" is not a user class, so it is never predicted; a tie goes to the first model class.
-    assert class_identity_accuracy(logits, ("5", "6", "7"), np.array([1, 0, 0]),
-                                   ("6", "5")) == pytest.approx(2 / 3)
-    # Sharing only "5": always predicts "5", right exactly on the "5"s.
-    assert class_identity_accuracy(logits[:, :2], ("5", "8"), np.array([0, 1, 0]),
-                                   ("5", "6")) == pytest.approx(2 / 3)
-    assert class_identity_accuracy(logits[:, :2], ("8", "9"), np.array([0, 1, 0]),
-                                   ("5", "6")) == 0.0
-    with pytest.raises(ValueError, match="logits must have shape"):
-        class_identity_accuracy(logits, ("5", "6"), np.array([0, 1, 0]), ("5", "6"))
-
-
-def test_ranking_metrics_by_hand():
-    acc = np.array([[0.9, 0.5, 0.9], [0.2, 0.8, 0.6], [0.7, 0.7, 0.1]])
-    scores = np.array([[0.1, 0.9, 0.5], [0.3, 0.9, 0.1], [0.5, 0.5, 0.9]])
-    m = ranking_metrics(scores, acc)
-    # user 0: picks dev 1 (0.5; oracle 0.9), best-scored oracle dev 2 is 2nd
-    # user 1: picks the oracle; user 2: picks dev 2 (0.1; oracle 0.7), oracle devs tie 2nd
-    np.testing.assert_array_equal(m.hits, [False, True, False])
-    np.testing.assert_allclose(m.regrets, [0.4, 0.0, 0.6], atol=1e-12)
-    np.testing.assert_allclose(m.reciprocal_ranks, [0.5, 1.0, 0.5])
-    assert m.top1_hit_rate == pytest.approx(1 / 3)
-    assert m.regret == pytest.approx(1 / 3)
-    assert m.mrr == pytest.approx(2 / 3)
-
-
-def test_ranking_metrics_ties():
-    # Ties in scores count against the method: constant scores choose the worst model.
-    m = ranking_metrics(np.array([[1.0, 1.0, 1.0]]), np.array([[0.5, 0.8, 0.8]]))
-    assert (m.top1_hit_rate, m.regret, m.mrr) == (0.0, pytest.approx(0.3), 0.5)
-    # Ties in accuracy: any oracle-best model is a hit.
-    m = ranking_metrics(np.array([[0.2, 0.9, 0.5]]), np.array([[0.8, 0.8, 0.1]]))
-    assert (m.top1_hit_rate, m.regret, m.mrr) == (1.0, 0.0, 1.0)
-    # atol widens the oracle set.
-    assert ranking_metrics(np.array([[0.0, 1.0]]), np.array([[0.80, 0.79]]),
-                           atol=0.02).top1_hit_rate == 1.0
-    assert ranking_metrics(np.array([[0.0, 1.0]]), np.array([[0.80, 0.79]])).mrr == 0.5
-    np.testing.assert_array_equal(oracle_best(np.array([[0.1, 0.7, 0.7], [0.9, 0.0, 0.3]])),
-                                  [1, 0])
-
-
 def test_mnist_is_brought_to_the_digits_grid():
     img = np.zeros((2, 28, 28), np.float32)
     img[0, 2:6, 6:10] = 1.0  # padded by 2: rows 4-7, cols 8-11 = block (1, 2)
@@ -196,15 +149,6 @@ def test_mnist_is_brought_to_the_digits_grid():
     expected = np.zeros((2, 8, 8), np.float32)
     expected[0, 1, 2], expected[1, 0, 0] = 1.0, 1 / 16
     np.testing.assert_allclose(out, expected.reshape(2, 64), atol=1e-7)
-
-
-def test_ranking_metrics_rejects_bad_input():
-    with pytest.raises(ValueError, match="of one shape"):
-        ranking_metrics(np.zeros((2, 3)), np.zeros((3, 2)))
-    with pytest.raises(ValueError, match="finite"):
-        ranking_metrics(np.array([[np.nan, 1.0]]), np.zeros((1, 2)))
-    with pytest.raises(ValueError, match="atol must be >= 0"):
-        ranking_metrics(np.zeros((1, 2)), np.zeros((1, 2)), atol=-0.1)
 
 
 @pytest.mark.parametrize("changes, match", [
@@ -235,29 +179,6 @@ def test_too_many_shots_or_training_examples_are_rejected():
                      progress=False, cache=False)
     with pytest.raises(TypeError, match="MarketConfig"):
         build_market({"track": "vision"})
-
-
-@pytest.mark.assets
-def test_text_embedding_cache(monkeypatch):
-    from pavejax.models import TextClassifier
-
-    texts = ["A great, moving film.", "Terrible service, never again.",
-             "Shares fell sharply on Monday.", "A great, moving film.", "The match ended 2-1."]
-    before = len(mk._EMBEDDINGS)
-    emb = embed_texts(texts, max_length=16, batch_size=4)
-    assert emb.shape == (5, 384) and emb.dtype == np.float32
-    assert len(mk._EMBEDDINGS) - before <= 4  # the repeated sentence is encoded once
-    np.testing.assert_array_equal(emb[0], emb[3])
-    # Independent path: the encoder inside a TextClassifier with mean pooling.
-    graphdef, state, tokenizer, _ = mk._minilm(16)
-    model = TextClassifier(nnx.merge(graphdef, state), 2, rngs=nnx.Rngs(0), pooling="mean")
-    tokens = tokenizer(texts)
-    ref = nnx.jit(lambda m, ids, mask: m.features(ids, mask))(model, tokens.input_ids,
-                                                                tokens.attention_mask)
-    np.testing.assert_allclose(emb, ref, rtol=1e-4, atol=1e-5)
-    # A second call is served from the cache: the encoder is not touched.
-    monkeypatch.setattr(mk, "_minilm", lambda *a: pytest.fail("encoder called on a cache hit"))
-    np.testing.assert_array_equal(embed_texts(texts[::-1], max_length=16), emb[::-1])
 
 
 # --- developer_recipe="tuned": the traced schedule, the AdamW trainer, the plumbing ----------

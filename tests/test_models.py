@@ -1,5 +1,6 @@
 """BERT encoder, loader, tokenizer and heads: tiny random models plus real all-MiniLM-L6-v2."""
 
+import hashlib
 import json
 import math
 
@@ -17,9 +18,15 @@ from pavejax.models import (
     ClassifierHead,
     TextClassifier,
     Tokenizer,
+    apply_head,
     bert_torch_names,
+    embed as embed_mod,
+    embed_texts,
+    example_loss,
     gelu,
+    head0,
     l2_normalize,
+    label_space_head,
     load_bert,
     load_state_from_torch_names,
     mean_pool,
@@ -370,6 +377,41 @@ def test_public_random_head_is_a_function_of_its_seed():
         public_random_head(8, 2, -1)
 
 
+def test_label_space_head_is_keyed_by_name():
+    ab = label_space_head(16, ("a", "b"))
+    ba = label_space_head(16, ("b", "a"))
+    np.testing.assert_array_equal(ab[:, 0], ba[:, 1])
+    assert not np.allclose(ab[:, 0], label_space_head(16, ("a",), seed=1)[:, 0])
+    with pytest.raises(ValueError, match="distinct"):
+        label_space_head(16, ("a", "a"))
+    # one column is public_random_projection at the seed sha256("pavejax.label.v1|0|a")[:8] >> 1
+    seed = int.from_bytes(hashlib.sha256(b"pavejax.label.v1|0|a").digest()[:8], "big") >> 1
+    np.testing.assert_array_equal(ab[:, :1], public_random_projection(16, 1, seed))
+
+
+def test_plain_head_logits_and_loss_match_numpy():
+    classes = ("negative", "positive", "neutral")
+    head = head0(8, classes)
+    assert head["kernel"].shape == (8, 3) and head["kernel"].dtype == jnp.float32
+    np.testing.assert_array_equal(head["kernel"], label_space_head(8, classes, seed=1))
+    np.testing.assert_array_equal(head["bias"], np.zeros(3, np.float32))
+    # developers sharing a class share its column, whatever the order of their label space
+    np.testing.assert_array_equal(head0(8, ("positive", "negative"))["kernel"][:, 1],
+                                  head["kernel"][:, 0])
+    rng = np.random.default_rng(0)
+    params = {"kernel": jnp.asarray(rng.normal(size=(8, 3)), jnp.float32),
+              "bias": jnp.asarray(rng.normal(size=3), jnp.float32)}
+    x = rng.normal(size=(5, 8)).astype(np.float32)
+    y = np.array([0, 2, 1, 1, 0])
+    z = x.astype(np.float64) @ np.asarray(params["kernel"], np.float64) + np.asarray(
+        params["bias"], np.float64)
+    np.testing.assert_allclose(apply_head(params, jnp.asarray(x)), z, rtol=1e-5, atol=1e-5)
+    nll = np.log(np.exp(z).sum(axis=1)) - z[np.arange(5), y]
+    for i in range(5):
+        loss = example_loss(params, None, {"x": jnp.asarray(x[i]), "y": jnp.asarray(y[i])})
+        np.testing.assert_allclose(float(loss), nll[i], rtol=1e-5)
+
+
 # --- real all-MiniLM-L6-v2 --------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -481,3 +523,25 @@ def test_minilm_tokenizer_ignores_the_file_padding_settings():
     tok = Tokenizer(raw, max_length=24)
     assert tok("hello").input_ids.shape == (1, 24)  # ... which the wrapper replaces
     assert raw.padding["length"] == 128  # without touching the caller's tokenizer
+
+
+@pytest.mark.assets
+def test_text_embedding_cache(monkeypatch):
+    texts = ["A great, moving film.", "Terrible service, never again.",
+             "Shares fell sharply on Monday.", "A great, moving film.", "The match ended 2-1."]
+    before = len(embed_mod._EMBEDDINGS)
+    emb = embed_texts(texts, max_length=16, batch_size=4)
+    assert emb.shape == (5, 384) and emb.dtype == np.float32
+    assert len(embed_mod._EMBEDDINGS) - before <= 4  # the repeated sentence is encoded once
+    np.testing.assert_array_equal(emb[0], emb[3])
+    # Independent path: the encoder inside a TextClassifier with mean pooling.
+    graphdef, state, tokenizer, _ = embed_mod._minilm(16)
+    model = TextClassifier(nnx.merge(graphdef, state), 2, rngs=nnx.Rngs(0), pooling="mean")
+    tokens = tokenizer(texts)
+    ref = nnx.jit(lambda m, ids, mask: m.features(ids, mask))(model, tokens.input_ids,
+                                                                tokens.attention_mask)
+    np.testing.assert_allclose(emb, ref, rtol=1e-4, atol=1e-5)
+    # A second call is served from the cache: the encoder is not touched.
+    monkeypatch.setattr(embed_mod, "_minilm",
+                        lambda *a: pytest.fail("encoder called on a cache hit"))
+    np.testing.assert_array_equal(embed_texts(texts[::-1], max_length=16), emb[::-1])

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from scipy.optimize import minimize_scalar
 
+from pavejax.models import label_space_head
 from pavejax.pave.spec import (
     Backbone,
     PrivacyConfig,
@@ -18,7 +19,6 @@ from pavejax.pave.spec import (
     backbone_hash,
     generate_spec,
     hard_targets,
-    label_space_head,
     model_spec,
     soft_targets,
     user_spec,
@@ -87,15 +87,6 @@ def test_targets():
     np.testing.assert_array_equal(hard_targets(np.array([[0.1, 2.0]]), 2), [[0, 1]])
     with pytest.raises(ValueError, match=r"labels must lie in \[0, 2\)"):
         hard_targets(np.array([2]), 2)
-
-
-def test_label_space_head_is_keyed_by_name():
-    ab = label_space_head(16, ("a", "b"))
-    ba = label_space_head(16, ("b", "a"))
-    np.testing.assert_array_equal(ab[:, 0], ba[:, 1])
-    assert not np.allclose(ab[:, 0], label_space_head(16, ("a",), seed=1)[:, 0])
-    with pytest.raises(ValueError, match="distinct"):
-        label_space_head(16, ("a", "a"))
 
 
 @pytest.mark.parametrize("bad, match", [

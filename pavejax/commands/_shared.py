@@ -107,7 +107,7 @@ def features(texts: Sequence[str], labels: Any, seq_len: int) -> dict[str, Any]:
     import jax.numpy as jnp
     import numpy as np
 
-    from pavejax.data import embed_texts
+    from pavejax.models import embed_texts
 
     return {"x": jnp.asarray(embed_texts(list(texts), max_length=seq_len)),
             "y": jnp.asarray(np.asarray(labels), jnp.int32)}
@@ -119,8 +119,8 @@ def accuracy(params: Mapping[str, Any], data: Mapping[str, Any], classes: Sequen
     ``classes``); models and labels are matched by class name."""
     import numpy as np
 
-    from pavejax.data.market_metrics import class_identity_accuracy
-    from pavejax.lifecycle import apply_head
+    from pavejax.data import class_identity_accuracy
+    from pavejax.models import apply_head
 
     user_classes = tuple(classes if user_classes is None else user_classes)
     logits = np.asarray(apply_head(dict(params), data["x"]))

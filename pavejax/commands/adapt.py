@@ -149,7 +149,7 @@ def run(ns: argparse.Namespace) -> int:
 
     from pavejax.checkpointing import TrainCheckpointer
     from pavejax.data import load_task
-    from pavejax.lifecycle import apply_head, example_loss
+    from pavejax.models import apply_head, example_loss
     from pavejax.paczero import init_state, train
 
     _check_flags(ns)

@@ -91,7 +91,7 @@ def combined_guarantee(metas, paths) -> tuple[object, dict]:
 def run(ns: argparse.Namespace) -> int:
     import jax
 
-    from pavejax.lifecycle import head0
+    from pavejax.models import head0
     from pavejax.pave.reuse import merge_topk
 
     classes = tuple(c.strip() for c in ns.base_classes.split(",") if c.strip())

@@ -156,7 +156,7 @@ def _model_side(ns, config, a_key, layers):
     import numpy as np
 
     from pavejax.data import load_task
-    from pavejax.lifecycle import apply_head
+    from pavejax.models import apply_head
 
     model = sh.load_model_release(ns.model)
     data = model.data

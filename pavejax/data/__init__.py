@@ -2,10 +2,18 @@
 
 Data comes from assets installed by ``pavejax assets`` (never downloaded at run time). Every
 task has stratified train/dev/test splits fixed by a seed; see :func:`load_task` and
-:func:`list_tasks`.
+:func:`list_tasks`. :mod:`pavejax.data.metrics` scores predictions against them. Nothing here
+trains or loads a model (scenarios that train, like the learnware market, are in
+:mod:`pavejax.experiments`).
 """
 
 from pavejax.data.batching import iterate_batches
+from pavejax.data.metrics import (
+    RankingMetrics,
+    class_identity_accuracy,
+    oracle_best,
+    ranking_metrics,
+)
 from pavejax.data.registry import TaskInfo, list_tasks, load_task, task_info
 from pavejax.data.tasks import (
     Split,
@@ -29,11 +37,13 @@ from pavejax.data.text import (
 from pavejax.data.vision import load_digits, load_mnist5k
 
 __all__ = [
+    "RankingMetrics",
     "SENTIMENT_DOMAINS",
     "Split",
     "Task",
     "TaskInfo",
     "binarize_ratings",
+    "class_identity_accuracy",
     "class_subset_task",
     "few_shot",
     "group_classes_task",
@@ -46,43 +56,11 @@ __all__ = [
     "load_sentiment",
     "load_sentiment_raw",
     "load_task",
+    "oracle_best",
+    "ranking_metrics",
     "split_task",
     "stratified_split",
     "stratified_subsample",
     "task_fingerprint",
     "task_info",
-]
-
-from pavejax.data.market import (  # noqa: E402
-    QUALITIES,
-    DeveloperModel,
-    Market,
-    MarketConfig,
-    RankingMetrics,
-    UserTask,
-    build_market,
-    class_identity_accuracy,
-    developer_classifier,
-    embed_texts,
-    evaluate_market,
-    example_hashes,
-    oracle_best,
-    ranking_metrics,
-)
-
-__all__ += [
-    "QUALITIES",
-    "DeveloperModel",
-    "Market",
-    "MarketConfig",
-    "RankingMetrics",
-    "UserTask",
-    "build_market",
-    "class_identity_accuracy",
-    "developer_classifier",
-    "embed_texts",
-    "evaluate_market",
-    "example_hashes",
-    "oracle_best",
-    "ranking_metrics",
 ]

@@ -1,7 +1,9 @@
-"""Scoring for learnware markets: accuracy by class identity and ranking metrics.
+"""Scoring predictions against labelled tasks: accuracy by class identity and ranking metrics.
 
-Identification methods (PAVE, RKME, random) produce a score matrix (users x developers); these
-functions compare it with the measured accuracy matrix of :func:`pavejax.data.evaluate_market`.
+:func:`class_identity_accuracy` scores a model on a task whose label space may differ from the
+model's. Identification methods (PAVE, RKME, random) produce a score matrix (users x models);
+:func:`ranking_metrics` compares it with a measured accuracy matrix (e.g. the one of
+:func:`pavejax.experiments.evaluate_market`).
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 
 Used to score model identification (PAVE, RKME): :func:`build_market` trains the developers and
 cuts the user tasks, :func:`evaluate_market` applies **every** developer model to **every** user's
-test set (the oracle is measured, never assumed), and :func:`ranking_metrics` scores a method's
-(n_users, n_developers) relevance scores against that accuracy matrix.
+test set (the oracle is measured, never assumed), and :func:`pavejax.data.ranking_metrics`
+scores a method's (n_users, n_developers) relevance scores against that accuracy matrix.
 
 Design:
 
@@ -12,7 +12,7 @@ Design:
   (cached in the user's cache directory by that function); a shared backbone keeps every
   developer in one parameter space, which parameter-vector specifications need. Text: frozen
   all-MiniLM-L6-v2, mean-pooled (not normalised, i.e. ``TextClassifier(pooling="mean")``
-  features), embeddings cached per process by :func:`embed_texts`.
+  features), embeddings cached per process by :func:`pavejax.models.embed_texts`.
 * **Domains.** Vision: ``digits`` and ``mnist5k``, the latter brought to the digits input space
   (28x28 padded to 32x32, then 4x4 block means -> 8x8, as the digits set was made), so every model
   applies to every domain with a real domain shift. Classes are the downstream digits 5-9. Text:
@@ -34,7 +34,7 @@ Design:
   content hash occurs in any training data (and test examples also in dev) are dropped, so
   duplicates in the raw corpora cannot leak.
 * **Class identity.** Labels are named (``"5"``, ``"positive"``, ``"sports"``); see
-  :func:`class_identity_accuracy` for how a model is scored on a user task.
+  :func:`pavejax.data.class_identity_accuracy` for how a model is scored on a user task.
 
 Determinism: everything is a function of the config (numpy ``SeedSequence`` streams per purpose);
 the same config gives the same market in every run on the same platform.
@@ -59,14 +59,10 @@ from flax import nnx
 from tqdm.auto import tqdm
 
 from pavejax import recipes as _recipes
-from pavejax.data.market_metrics import (
-    RankingMetrics as RankingMetrics,
-    class_identity_accuracy as class_identity_accuracy,
-    oracle_best as oracle_best,
-    ranking_metrics as ranking_metrics,
-)
+from pavejax.data.metrics import class_identity_accuracy
 from pavejax.data.registry import load_task
 from pavejax.data.tasks import Inputs, Split, Task, class_subset_task
+from pavejax.models import embed_texts
 from pavejax.optim import promotion_safe
 
 __all__ = [
@@ -74,16 +70,11 @@ __all__ = [
     "DeveloperModel",
     "Market",
     "MarketConfig",
-    "RankingMetrics",
     "UserTask",
     "build_market",
-    "class_identity_accuracy",
     "developer_classifier",
-    "embed_texts",
     "evaluate_market",
     "example_hashes",
-    "oracle_best",
-    "ranking_metrics",
 ]
 
 QUALITIES: tuple[str, ...] = ("good", "undertrained", "corrupted")
@@ -315,49 +306,6 @@ class _BackboneFeatures:
         out = [np.asarray(_backbone_features(self.graphdef, self.state, padded[i:i + 512]))
                for i in range(0, padded.shape[0], 512)]
         return np.concatenate(out)[: x.shape[0]] if out else np.zeros((0, self.dim), np.float32)
-
-
-_EMBEDDINGS: dict[tuple[int, str], np.ndarray] = {}
-
-
-@functools.cache
-def _minilm(max_length: int) -> tuple[nnx.GraphDef, nnx.State, Any, Callable]:
-    from pavejax.models import load_minilm, mean_pool
-
-    encoder, tokenizer = load_minilm(max_length=max_length)
-    graphdef, state = nnx.split(encoder)
-
-    @jax.jit
-    def pooled(state: nnx.State, ids: jax.Array, mask: jax.Array) -> jax.Array:
-        return mean_pool(nnx.merge(graphdef, state)(ids, mask), mask)
-
-    return graphdef, state, tokenizer, pooled
-
-
-def embed_texts(texts: Sequence[str], *, max_length: int = 48, batch_size: int = 64,
-                progress: bool = False) -> np.ndarray:
-    """Frozen all-MiniLM-L6-v2 mean-pooled embeddings (n, 384) float32 (not L2-normalised).
-
-    Each distinct text is encoded once per process (cache keyed by ``(max_length, text)``), in
-    fixed ``batch_size`` batches so one compilation serves all. Equal to
-    ``TextClassifier(encoder, k, pooling="mean").features`` on the same tokens.
-    """
-    texts = list(texts)
-    if not all(isinstance(t, str) for t in texts):
-        raise TypeError("texts must be a sequence of str")
-    missing = list(dict.fromkeys(t for t in texts if (max_length, t) not in _EMBEDDINGS))
-    if missing:
-        _, state, tokenizer, pooled = _minilm(max_length)
-        batches = range(0, len(missing), batch_size)
-        for i in tqdm(batches, desc="embedding texts", disable=not progress):
-            chunk = missing[i:i + batch_size]
-            tokens = tokenizer(chunk + [""] * (batch_size - len(chunk)))
-            emb = np.asarray(pooled(state, jnp.asarray(tokens.input_ids),
-                                    jnp.asarray(tokens.attention_mask)))
-            _EMBEDDINGS.update({(max_length, t): emb[j].copy() for j, t in enumerate(chunk)})
-    if not texts:
-        return np.zeros((0, 384), np.float32)
-    return np.stack([_EMBEDDINGS[(max_length, t)] for t in texts])
 
 
 # --- data pools -------------------------------------------------------------------------------
@@ -802,9 +750,9 @@ def developer_classifier(market: Market, developer: DeveloperModel) -> nnx.Modul
         model = with_new_head(market.backbone, k)
         model.head = nnx.clone(developer.head)
         return model
-    from pavejax.models import TextClassifier
+    from pavejax.models import TextClassifier, load_minilm
 
-    graphdef, state, _, _ = _minilm(market.config.max_length)
-    model = TextClassifier(nnx.merge(graphdef, state), k, rngs=nnx.Rngs(0), pooling="mean")
+    encoder, _ = load_minilm(max_length=market.config.max_length)
+    model = TextClassifier(encoder, k, rngs=nnx.Rngs(0), pooling="mean")
     model.head.dense = nnx.clone(developer.head)
     return model

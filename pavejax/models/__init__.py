@@ -1,5 +1,6 @@
 """Flax NNX models: a BERT encoder that loads all-MiniLM-L6-v2 from safetensors (no torch),
-its fixed-shape tokenizer, classification heads, and small MLP/CNN backbones for vision tasks."""
+its fixed-shape tokenizer, cached frozen sentence features, classification heads, and small
+MLP/CNN backbones for vision tasks."""
 
 from pavejax.models.bert import (
     BertConfig,
@@ -9,9 +10,14 @@ from pavejax.models.bert import (
     mean_pool,
     sentence_embedding,
 )
+from pavejax.models.embed import embed_texts
 from pavejax.models.heads import (
     ClassifierHead,
     TextClassifier,
+    apply_head,
+    example_loss,
+    head0,
+    label_space_head,
     public_random_head,
     public_random_projection,
 )
@@ -50,12 +56,17 @@ __all__ = [
     "TokenBatch",
     "Tokenizer",
     "TorchTarget",
+    "apply_head",
     "bert_torch_names",
     "build_model",
     "classification_loss",
+    "embed_texts",
+    "example_loss",
     "fit_classifier",
     "gelu",
+    "head0",
     "l2_normalize",
+    "label_space_head",
     "load_bert",
     "load_minilm",
     "load_state_from_torch_names",

@@ -1,7 +1,18 @@
-"""Classification heads on pooled encoder outputs, and a public seeded random head."""
+"""Classification heads on pooled encoder outputs, and public seeded heads.
+
+* :class:`ClassifierHead` / :class:`TextClassifier`: NNX modules (encoder + pooling + linear).
+* :func:`public_random_head` / :func:`public_random_projection`: a fixed random head from a seed.
+* :func:`label_space_head`: a public head keyed by class *names*, so tasks sharing classes share
+  columns.
+* :func:`head0`, :func:`apply_head`, :func:`example_loss`: a plain-dict linear head
+  ``{"kernel": (hidden, k), "bias": (k,)}`` on frozen pooled features, the task model of the
+  lifecycle and the command line (its public initial value, logits and per-example loss).
+"""
 
 from __future__ import annotations
 
+import hashlib
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -13,8 +24,8 @@ from pavejax.lora import LoraAdapters
 from pavejax.models import _init
 from pavejax.models.bert import BertEncoder, mean_pool
 
-__all__ = ["POOLINGS", "ClassifierHead", "TextClassifier", "public_random_head",
-           "public_random_projection"]
+__all__ = ["POOLINGS", "ClassifierHead", "TextClassifier", "apply_head", "example_loss", "head0",
+           "label_space_head", "public_random_head", "public_random_projection"]
 
 POOLINGS: tuple[str, ...] = ("mean", "cls", "pooler")
 _MAX_SEED = 2**63 - 1
@@ -118,3 +129,46 @@ def public_random_head(hidden: int, num_outputs: int, seed: int) -> ClassifierHe
     head.dense.kernel[...] = jnp.asarray(public_random_projection(hidden, num_outputs, seed))
     head.dense.bias[...] = jnp.zeros((num_outputs,), jnp.float32)
     return head
+
+
+def label_space_head(hidden: int, class_names: tuple[str, ...] | list[str],
+                     seed: int = 0) -> np.ndarray:
+    """The public mapping g: a (hidden, k) float32 kernel whose column for class ``c`` depends
+    only on (``c``, ``seed``, ``hidden``).
+
+    Keyed by label *name*, so tasks that share classes share columns, and specs of tasks with
+    different label spaces still live in one parameter space (the backbone's ``B``). Columns are
+    i.i.d. U(-sqrt(3/hidden), sqrt(3/hidden)), as :func:`public_random_projection`.
+    """
+    names = list(class_names)
+    if not names or len(set(names)) != len(names):
+        raise ValueError(f"class_names must be distinct and non-empty, got {names!r}")
+    cols = []
+    for name in names:
+        digest = hashlib.sha256(f"pavejax.label.v1|{seed}|{name}".encode()).digest()
+        cols.append(public_random_projection(hidden, 1, int.from_bytes(digest[:8], "big") >> 1))
+    return np.concatenate(cols, axis=1)
+
+
+def head0(hidden: int, classes: Sequence[str]) -> dict[str, jax.Array]:
+    """The public initial head of a label space (label-keyed, so developers sharing classes
+    share it and their models merge): ``{"kernel": (hidden, k), "bias": (k,)}`` float32, the
+    kernel :func:`label_space_head` ``(hidden, classes, seed=1)`` and the bias zero."""
+    return {"kernel": jnp.asarray(label_space_head(hidden, tuple(classes), seed=1)),
+            "bias": jnp.zeros((len(classes),), jnp.float32)}
+
+
+@jax.jit
+def apply_head(params: dict, x: jax.Array) -> jax.Array:
+    """Logits (n, k) of the head ``params`` on pooled features ``x`` (n, hidden)."""
+    return x @ params["kernel"] + params["bias"][None, :]
+
+
+def example_loss(params: dict, frozen: Any, ex: dict) -> jax.Array:
+    """Per-example cross-entropy of the head ``params`` (``ex = {"x": (hidden,), "y": ()}``).
+
+    The ``loss_fn(trainable, frozen, example)`` signature of the private trainers; ``frozen``
+    is unused (the backbone's features are precomputed).
+    """
+    z = ex["x"] @ params["kernel"] + params["bias"]
+    return -jax.nn.log_softmax(z)[ex["y"]]

@@ -14,8 +14,8 @@ import importlib as _importlib
 
 _EXPORTS = {
     **dict.fromkeys(("PRESETS", "Backbone", "PrivacyConfig", "SpecConfig", "SpecResult",
-                     "backbone_hash", "generate_spec", "hard_targets", "label_space_head",
-                     "model_spec", "soft_targets", "spec_signature", "user_spec"),
+                     "backbone_hash", "generate_spec", "hard_targets", "model_spec",
+                     "soft_targets", "spec_signature", "user_spec"),
                     "pavejax.pave.spec"),
 }
 __all__ = sorted(_EXPORTS)

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from pavejax.data.market_metrics import class_identity_accuracy
+from pavejax.data.metrics import class_identity_accuracy
 from pavejax.merging.operators import OPERATORS, task_vectors
 from pavejax.optim import promotion_safe
 
@@ -98,7 +98,7 @@ def predict_top1(params: PyTree, apply_fn: ApplyFn, inputs: Any, classes: Sequen
 
 def user_accuracy(probs: np.ndarray, labels: np.ndarray, user_classes: Sequence[str]) -> float:
     """Accuracy of probabilities (n, len(user_classes)) on ``labels`` (n,) indexing
-    ``user_classes`` (class-identity scoring of :mod:`pavejax.data.market_metrics`)."""
+    ``user_classes`` (class-identity scoring of :func:`pavejax.data.class_identity_accuracy`)."""
     return class_identity_accuracy(probs, tuple(user_classes), np.asarray(labels),
                                    tuple(user_classes))
 

@@ -4,9 +4,9 @@ Model side (a developer's model ``h``): fit ``B`` so that ``g(f(x; W + s A B))``
 model's own predictions ``h(x)`` on the developer's inputs (soft targets by default, hard argmax
 as an option); the data labels are not used, so the spec encodes the model's *quality*. User
 side: the same with the user's few-shot labels. ``g`` maps backbone outputs to the task's label
-space (see :func:`label_space_head` for a public, label-name keyed choice). The spec is the
-concatenation of the trained ``B`` blocks in sorted path order (float32); identification ranks
-models by ``cos(B_model, B_user)``.
+space (see :func:`pavejax.models.label_space_head` for a public, label-name keyed choice). The
+spec is the concatenation of the trained ``B`` blocks in sorted path order (float32);
+identification ranks models by ``cos(B_model, B_user)``.
 
 Two mechanisms share one code path (:func:`generate_spec`):
 
@@ -70,7 +70,6 @@ __all__ = [
     "backbone_hash",
     "generate_spec",
     "hard_targets",
-    "label_space_head",
     "model_spec",
     "soft_targets",
     "spec_signature",
@@ -306,27 +305,6 @@ def hard_targets(labels: np.ndarray, num_classes: int) -> np.ndarray:
         raise ValueError(f"labels must lie in [0, {num_classes}), got range "
                          f"[{y.min()}, {y.max()}]")
     return np.eye(num_classes, dtype=np.float32)[y]
-
-
-def label_space_head(hidden: int, class_names: tuple[str, ...] | list[str],
-                     seed: int = 0) -> np.ndarray:
-    """The public mapping g: a (hidden, k) float32 kernel whose column for class ``c`` depends
-    only on (``c``, ``seed``, ``hidden``).
-
-    Keyed by label *name*, so tasks that share classes share columns, and specs of tasks with
-    different label spaces still live in one parameter space (the backbone's ``B``). Columns are
-    i.i.d. U(-sqrt(3/hidden), sqrt(3/hidden)), as :func:`pavejax.models.public_random_projection`.
-    """
-    from pavejax.models.heads import public_random_projection
-
-    names = list(class_names)
-    if not names or len(set(names)) != len(names):
-        raise ValueError(f"class_names must be distinct and non-empty, got {names!r}")
-    cols = []
-    for name in names:
-        digest = hashlib.sha256(f"pavejax.label.v1|{seed}|{name}".encode()).digest()
-        cols.append(public_random_projection(hidden, 1, int.from_bytes(digest[:8], "big") >> 1))
-    return np.concatenate(cols, axis=1)
 
 
 def spec_signature(backbone: Backbone, B: Mapping[str, jax.Array], A: Mapping[str, jax.Array],

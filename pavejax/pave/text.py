@@ -1,6 +1,6 @@
 """A BERT-family encoder (all-MiniLM-L6-v2 by default) as the shared PAVE backbone for text.
 
-``g`` is :func:`pavejax.pave.spec.label_space_head` on the masked-mean pooled last hidden
+``g`` is :func:`pavejax.models.label_space_head` on the masked-mean pooled last hidden
 state: public, keyed by class name, so sentiment tasks (``negative``/``positive``) and topic
 tasks (``business``/``sport``/...) all produce specs in one space, the ``B`` factors of the
 adapted attention kernels.
@@ -24,12 +24,12 @@ from flax import nnx
 
 from pavejax import lora
 from pavejax.models.bert import BertEncoder, mean_pool
+from pavejax.models.heads import label_space_head
 from pavejax.pave.spec import (
     Backbone,
     SpecConfig,
     SpecResult,
     backbone_hash,
-    label_space_head,
     model_spec,
     user_spec,
 )

@@ -1,0 +1,59 @@
+"""Frozen all-MiniLM-L6-v2 sentence features for heads trained on precomputed embeddings."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from tqdm.auto import tqdm
+
+from pavejax.models.bert import mean_pool
+from pavejax.models.loading import load_minilm
+
+__all__ = ["embed_texts"]
+
+_EMBEDDINGS: dict[tuple[int, str], np.ndarray] = {}
+
+
+@functools.cache
+def _minilm(max_length: int) -> tuple[nnx.GraphDef, nnx.State, Any, Callable]:
+    encoder, tokenizer = load_minilm(max_length=max_length)
+    graphdef, state = nnx.split(encoder)
+
+    @jax.jit
+    def pooled(state: nnx.State, ids: jax.Array, mask: jax.Array) -> jax.Array:
+        return mean_pool(nnx.merge(graphdef, state)(ids, mask), mask)
+
+    return graphdef, state, tokenizer, pooled
+
+
+def embed_texts(texts: Sequence[str], *, max_length: int = 48, batch_size: int = 64,
+                progress: bool = False) -> np.ndarray:
+    """Frozen all-MiniLM-L6-v2 mean-pooled embeddings (n, 384) float32 (not L2-normalised).
+
+    Each distinct text is encoded once per process (cache keyed by ``(max_length, text)``), in
+    fixed ``batch_size`` batches so one compilation serves all. Equal to
+    ``TextClassifier(encoder, k, pooling="mean").features`` on the same tokens. Needs the
+    ``minilm`` asset (``pavejax assets``).
+    """
+    texts = list(texts)
+    if not all(isinstance(t, str) for t in texts):
+        raise TypeError("texts must be a sequence of str")
+    missing = list(dict.fromkeys(t for t in texts if (max_length, t) not in _EMBEDDINGS))
+    if missing:
+        _, state, tokenizer, pooled = _minilm(max_length)
+        batches = range(0, len(missing), batch_size)
+        for i in tqdm(batches, desc="embedding texts", disable=not progress):
+            chunk = missing[i:i + batch_size]
+            tokens = tokenizer(chunk + [""] * (batch_size - len(chunk)))
+            emb = np.asarray(pooled(state, jnp.asarray(tokens.input_ids),
+                                    jnp.asarray(tokens.attention_mask)))
+            _EMBEDDINGS.update({(max_length, t): emb[j].copy() for j, t in enumerate(chunk)})
+    if not texts:
+        return np.zeros((0, 384), np.float32)
+    return np.stack([_EMBEDDINGS[(max_length, t)] for t in texts])
