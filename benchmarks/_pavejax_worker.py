@@ -90,8 +90,8 @@ class Setting:
             sparse = {WORD_EMBEDDINGS: "input_ids"}
         else:
             raise ValueError(f"setting must be 'lora' or 'full', got {self.setting!r}")
-        self.clip = ClipConfig(float(request["clip"]), microbatch_size=request.get("microbatch"),
-                               sparse_rows=sparse)
+        self.clip = ClipConfig(float(request["clip"]), sparse_rows=sparse)
+        self.microbatch = request.get("microbatch")
         self.batches = [
             {"input_ids": jnp.asarray(shared["input_ids"][i]),
              "attention_mask": jnp.asarray(shared["attention_mask"][i]),
@@ -126,7 +126,8 @@ def make_steps(s: Setting, lr: float, noise_multiplier: float):
     sensitivity = s.clip.sensitivity(len(jax.tree.leaves(s.trainable)))
 
     def dp_step(trainable, frozen, batch, key):
-        r = clipped_sum(s.loss, trainable, frozen, batch, None, s.clip)
+        r = clipped_sum(s.loss, trainable, frozen, batch, None, s.clip,
+                        microbatch_size=s.microbatch)
         grad = privatize_sum(r.grad_sum, key, noise_multiplier=noise_multiplier,
                              sensitivity=sensitivity, expected_batch_size=batch_size)
         return _sgd(trainable, grad, lr), r.losses, r.norms

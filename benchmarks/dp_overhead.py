@@ -86,12 +86,13 @@ def _make_steps(graphdef, merged, l2_clip, sigma, batch, microbatch, sparse):
         logits = _logits(graphdef, p, data["input_ids"], data["attention_mask"])
         return jnp.mean(jax.vmap(_ce)(logits, data["label"]))
 
-    clip = privacy.ClipConfig(l2_clip, microbatch_size=microbatch,
+    clip = privacy.ClipConfig(l2_clip,
                               sparse_rows={WORD_EMBEDDING: "input_ids"} if sparse else {})
 
     @functools.partial(jax.jit, donate_argnums=(0, 1))
     def private_step(trainable, opt_state, frozen, data, key):
-        r = privacy.clipped_sum(example_loss, trainable, frozen, data, None, clip)
+        r = privacy.clipped_sum(example_loss, trainable, frozen, data, None, clip,
+                                microbatch_size=microbatch)
         g = privacy.privatize_sum(r.grad_sum, key, noise_multiplier=sigma, sensitivity=l2_clip,
                                   expected_batch_size=float(batch))
         updates, opt_state = opt.update(g, opt_state, trainable)

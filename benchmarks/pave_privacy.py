@@ -249,14 +249,15 @@ def _top1(scores: np.ndarray, acc: np.ndarray) -> tuple[float, float]:
 def calibrate(tb, cfg: Config, eps: float) -> tuple[S.SpecConfig, float, float]:
     """(spec config, sigma, claimed replace-one epsilon) of ``target_epsilon=eps``. With q = 1
     and one step sigma does not depend on n; it is calibrated once (by generate_spec's own
-    ``_dp_setup``) and the claim is the PLD/RDP ledger's epsilon for that sigma."""
+    :func:`~pavejax.pave.spec.spec_dp_plan`) and the claim is the PLD/RDP ledger's epsilon
+    for that sigma."""
     priv = S.PrivacyConfig(l2_clip=cfg.l2_clip, target_epsilon=eps, delta=cfg.delta,
                            sampling="full", accountant=cfg.accountant)
     config = S.SpecConfig.preset("one_step", rank=cfg.rank, privacy=priv, progress=False)
-    _, sigma, dp = S._dp_setup(tb.logits_fn, config.lora, 64, config)
+    plan = S.spec_dp_plan(tb.logits_fn, 64, config)
     ledger = Ledger("replace_one", accountant=cfg.accountant)
-    ledger.record(dp.config.step_event())
-    return config, sigma, ledger.epsilon(cfg.delta)
+    ledger.record(plan.dp_config.step_event())
+    return config, plan.noise_multiplier, ledger.epsilon(cfg.delta)
 
 
 def _seed(repeat: int, group: str, index: int) -> int:

@@ -48,7 +48,6 @@ import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from pavejax import lora, paczero, privacy  # noqa: E402
-from pavejax.privacy import pad_batch  # noqa: E402
 from pavejax.merging import train as mt  # noqa: E402
 from pavejax.models import BertConfig, BertEncoder, TextClassifier  # noqa: E402
 from pavejax.optim import promotion_safe  # noqa: E402
@@ -118,18 +117,16 @@ def _sam_runner(loss, B0, frozen, data, batch, mesh):
     n = data["label"].shape[0]
     cfg = mt.MergeTrainConfig(dataset_size=n, steps=1, mode="same", noise_multiplier=SIGMA,
                               batch_size=batch, l2_clip=CLIP, learning_rate=1e-3)
-    sampling = cfg.dp_config().sampling
-    step_fn = jax.jit(lambda s, fr, w0, b, m, k: mt.dp_sam_step(loss, cfg, s, fr, w0, b, m, b,
-                                                                m, k, mesh=mesh))
-    state = mt.init_state(B0, cfg)
-    st = {"s": state if mesh is None else privacy.replicate(state, mesh), "t": 0}
+    step_fn = jax.jit(mt.make_step(loss, cfg, mesh=mesh))  # samples its batch inside
+    state, batch = mt.init_state(B0, cfg), mt.SamBatch(data, frozen, B0)
+    if mesh is not None:
+        state, batch = privacy.replicate((state, batch), mesh)
+    st = {"s": state, "t": 0}
 
     def step():
         key = jax.random.fold_in(jax.random.key(2), st["t"])
-        k_sample, k_step = jax.random.split(key)
-        idx, mask = sampling.sample(k_sample)
-        b, m = pad_batch(privacy.take_batch(data, idx), mask, 1 if mesh is None else mesh.size)
-        st["s"], _ = step_fn(st["s"], frozen, B0, b, m, k_step)
+        st["s"], _, stats = step_fn(st["s"], batch, key)
+        privacy.check_step(stats)  # waits for the step, like the other trainers' runners
         st["t"] += 1
         jax.block_until_ready(st["s"].params)
 

@@ -18,12 +18,10 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
-__all__ = ["fetch", "global_batch", "global_mesh", "initialize", "pad_batch",
-           "replicate_global"]
+__all__ = ["fetch", "global_batch", "global_mesh", "initialize", "replicate_global"]
 
 PyTree = Any
 
@@ -78,22 +76,6 @@ def global_mesh(axis: str = "data") -> jax.sharding.Mesh:
     devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
     return jax.make_mesh((len(devices),), (axis,), axis_types=(AxisType.Auto,),
                          devices=devices)
-
-
-def pad_batch(batch: PyTree, mask: jax.Array, multiple: int) -> tuple[PyTree, jax.Array]:
-    """Pads the leading axis to a multiple of ``multiple`` with masked-out copies of the first
-    rows (mask False), so a batch splits evenly over the devices of a mesh. Padding rows never
-    contribute to a clipped sum."""
-    pad = (-mask.shape[0]) % int(multiple)
-    if not pad:
-        return batch, mask
-    if pad > mask.shape[0]:
-        reps = -(-pad // mask.shape[0])
-        filler = jax.tree.map(lambda x: jnp.concatenate([x] * reps)[:pad], batch)
-    else:
-        filler = jax.tree.map(lambda x: x[:pad], batch)
-    batch = jax.tree.map(lambda x, f: jnp.concatenate([x, f]), batch, filler)
-    return batch, jnp.concatenate([mask, jnp.zeros((pad,), bool)])
 
 
 def global_batch(local_rows: PyTree, mesh: jax.sharding.Mesh, axis: str = "data") -> PyTree:

@@ -175,8 +175,8 @@ def developer_spec(cfg: LifecycleConfig, tb, a_key, params, classes, train, text
     spec_cfg = SpecConfig.preset("one_step", rank=cfg.spec_rank, progress=False,
                                  privacy=PrivacyConfig(target_epsilon=cfg.spec_epsilon,
                                                        l2_clip=cfg.spec_l2_clip, sampling="full",
-                                                       accountant="rdp", delta=cfg.delta,
-                                                       microbatch_size=32))
+                                                       accountant="rdp", delta=cfg.delta),
+                                 microbatch_size=32)
     return tb.model_spec(texts[:m], logits, classes, a_key, spec_cfg, task=name)
 
 
@@ -311,8 +311,8 @@ def adapt_zpl(cfg: LifecycleConfig, params: dict, pool: dict, dev: dict):
     """PACZero-ZPL on the user's private pool; dev selection on the few shots (the start
     counts as a candidate, so selection never returns a worse dev loss than the input)."""
     from pavejax.models import apply_head, example_loss
-    from pavejax.paczero import train as zt_train
-    from pavejax.paczero.train import ZOConfig, init_state
+    from pavejax.paczero import ZOConfig, init, train
+    from pavejax.privacy import fresh_key
 
     zcfg = ZOConfig(mechanism="zpl", steps=cfg.zo_steps, learning_rate=cfg.zo_lr,
                     perturbation_scale=cfg.zo_perturbation_scale, num_subsets=cfg.zo_subsets,
@@ -323,18 +323,15 @@ def adapt_zpl(cfg: LifecycleConfig, params: dict, pool: dict, dev: dict):
         z = apply_head(p, dev["x"])
         return jnp.mean(-jnp.take_along_axis(jax.nn.log_softmax(z), dev["y"][:, None], 1))
 
-    def dev_loss(p) -> float:
-        return float(dev_loss_jit(p))
-
     n = int(pool["y"].shape[0])
-    # the mechanism's noise comes from fresh OS entropy; only the probe directions are public
-    state = init_state(zcfg, params, n, public_seed=cfg.seed + 7,
-                       mechanism_seed=np.random.SeedSequence())
-    start_dev = dev_loss(params)
-    state = zt_train(zcfg, example_loss, state, None, pool, dev_fn=dev_loss,
-                     progress=cfg.progress)
+    # the secret index and coins come from fresh OS entropy; only the probe directions (and
+    # the membership matrix, which the guarantee assumes known) are public
+    state = init(zcfg, params, n, key=fresh_key(), public_key=jax.random.key(cfg.seed + 7))
+    start_dev = float(dev_loss_jit(params))
+    state = train(zcfg, example_loss, state, None, pool, dev_fn=dev_loss_jit,
+                  progress=cfg.progress)
     improved = state.best is not None and state.best_dev < start_dev
-    ledger = state.ledger(zcfg, n)
+    ledger = state.ledger
     info = {"steps": state.step, "unanimity_rate": state.unanimity_rate,
             "start_dev_loss": start_dev, "best_dev_loss": state.best_dev,
             "selected_step": state.best_step if improved else 0,

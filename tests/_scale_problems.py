@@ -92,13 +92,13 @@ def spec_task(n: int = 48):
     return {"x": x}, hard_targets((x[:, 0] > 0).astype(np.int32), 2)
 
 
-def spec_config(steps: int = STEPS, **priv) -> SpecConfig:
+def spec_config(steps: int = STEPS, microbatch_size: int | None = None, **priv) -> SpecConfig:
     # Full batches with RDP: cheap accounting (PLD builds one distribution per recorded step and
     # RDP of sampling without replacement takes a second per step on a loaded CPU).
     privacy = PrivacyConfig(**({"l2_clip": TIGHT, "noise_multiplier": 1.0, "sampling": "full",
                                 "accountant": "rdp"} | priv))
     return SpecConfig(rank=2, steps=steps, batch_size=12, learning_rate=3e-3, progress=False,
-                      privacy=privacy)
+                      privacy=privacy, microbatch_size=microbatch_size)
 
 
 SPEC_NOISE_KEY = 21  # a replayable noise key, so that runs can be compared bit for bit

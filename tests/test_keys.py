@@ -14,6 +14,7 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from pavejax import privacy as pv
 from pavejax.merging import train as mt
@@ -81,7 +82,7 @@ def test_dp_gradient_does_not_feed_the_callers_key_to_either_draw(key):
     # one key (``k_sample = k_noise = key``). This is a tripwire for that refactor, not a proof of
     # independence (the statistical tests above and below carry that).
     (noise, ids), = _run_dp_gradient([key])
-    idx, mask = _dp_config().sampling.sample(key)
+    idx, mask, _ = _dp_config().sampling.sample(key)
     assert not np.array_equal(ids, np.sort(np.asarray(idx)[np.asarray(mask)]))
     raw = pv.gaussian_noise_like(key, W0, 1.0)["w"]
     assert abs(np.corrcoef(noise, np.asarray(raw, np.float64))[0, 1]) < 5 / math.sqrt(D)
@@ -100,16 +101,33 @@ class _Recording(pv.DPGradient):
         return out
 
 
-def test_dp_s_pave_loop_draws_fresh_batch_and_noise_every_step(key):
-    from pavejax.pave._dp_loop import run_dp_steps
+@pytest.mark.parametrize("steps_per_call", [1, 4])
+def test_driver_draws_fresh_batch_and_noise_every_step(key, steps_per_call):
+    # The one driver (pavejax.training.run) behind DP-S-PAVE, DP-SAM and PACZero hands every
+    # step its own key, also when several steps run in one lax.scan.
+    from pavejax.accounting import Ledger
+    from pavejax.training import Charge, run
 
-    dp = _Recording(_id_loss, _dp_config())
+    cfg = _dp_config()
+
+    def step(w, data, k):
+        grad, info = pv.private_gradient(_id_loss, w, None, data, k, cfg)
+        return w, Charge(cfg.step_event()), (grad, info)
+
+    chunks = []
+
+    def check(stats):  # the driver shows every call's stacked statistics to its check
+        pv.check_step(stats[1])
+        chunks.append(jax.tree.map(np.asarray, stats))
+
     steps = 4
-    out = run_dp_steps(dp, lambda b, g, s: (b, s), W0, None, None, DATA, key, steps,
-                       accountant="pld", checkpointer=None, run={},
-                       desc="keys", progress=False)
-    assert len(dp.seen) == steps and len(out.losses) == steps
-    noises, batches = zip(*dp.seen)
+    out = run(step, W0, key, steps, batch=DATA, ledger=Ledger("add_remove"),
+              steps_per_call=steps_per_call, progress=False, check=check)
+    seen = [_observe(*jax.tree.map(lambda x, i=i: x[i], c))
+            for c in chunks for i in range(c[1].losses.shape[0])]
+    assert out.steps == steps and len(seen) == steps
+    assert sum(e.count for e in out.ledger.entries) == steps
+    noises, batches = zip(*seen)
     _assert_fresh_every_step(noises, batches)
 
 

@@ -78,7 +78,7 @@ def test_lora_update_matches_float64_by_hand(getkey):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
-CLIP = ClipConfig(0.5, microbatch_size=2)  # a small clip norm: clipping is active
+CLIP = ClipConfig(0.5)  # a small clip norm: clipping is active
 
 
 @pytest.fixture(scope="module")
@@ -106,7 +106,8 @@ def computed(classifier):
                 trainable, frozen, batch)
         # Compiling is the slow part of this file: the DP engine runs the factored path only
         # and is checked against the merged path's per-example gradients below.
-        out["clipped"] = clipped_sum(factored, trainable, frozen, batch, None, CLIP)
+        out["clipped"] = clipped_sum(factored, trainable, frozen, batch, None, CLIP,
+                                     microbatch_size=2)
         return out
 
     return jax.device_get(run(trainable, LoraAdapters(b, a, cfg)))

@@ -381,7 +381,7 @@ def test_bad_input_messages(toy, dp_sampler):
         audit.spec_sampler(_logits, toy["backbone"], _predicate, {"rank": 2})
     with pytest.raises(ValueError, match="microbatch_size=None"):
         audit.spec_sampler(_logits, toy["backbone"], _predicate, dataclasses.replace(
-            DP_ONE_STEP, privacy=dataclasses.replace(DP_ONE_STEP.privacy, microbatch_size=4)))
+            DP_ONE_STEP, microbatch_size=4))
     minibatch = audit.spec_sampler(_logits, toy["backbone"], _predicate,
                                    S.SpecConfig(rank=2, batch_size=4, progress=False))
     with pytest.raises(ValueError, match="full-batch non-private specs only"):

@@ -99,8 +99,8 @@ def test_microbatched_equals_single_pass(key):
     data = _data(jax.random.key(2), 16)
     mask = jnp.arange(16) < 13
     full = _clipped_sum(_loss, params, FROZEN, data, mask, pv.ClipConfig(0.3))
-    micro = _clipped_sum(_loss, params, FROZEN, data, mask,
-                           pv.ClipConfig(0.3, microbatch_size=4))
+    micro = pv.clipped_sum(_loss, params, FROZEN, data, mask, pv.ClipConfig(0.3),
+                           microbatch_size=4)
     _assert_tree_close(full.grad_sum, micro.grad_sum, rtol=1e-5, atol=1e-7)
     np.testing.assert_allclose(full.norms, micro.norms, rtol=1e-6)
     assert int(full.num_clipped) == int(micro.num_clipped)
@@ -172,7 +172,8 @@ def test_poisson_sampling_static_shape_and_rate(key):
     assert cfg.q == pytest.approx(0.05)
     counts = []
     for i in range(60):
-        idx, mask = cfg.sample(jax.random.fold_in(key, i))
+        idx, mask, overflow = cfg.sample(jax.random.fold_in(key, i))
+        assert not bool(overflow)
         assert idx.shape == (cfg.max_batch,) and mask.shape == (cfg.max_batch,)
         real = np.asarray(idx)[np.asarray(mask)]
         assert len(np.unique(real)) == len(real)
@@ -181,16 +182,22 @@ def test_poisson_sampling_static_shape_and_rate(key):
     assert abs(np.mean(counts) - 50) < 4 * 6.9 / math.sqrt(60)
 
 
-def test_poisson_overflow_raises_not_truncates(key):
+def test_poisson_overflow_is_flagged_and_refused_not_truncated(key):
     cfg = pv.SamplingConfig("poisson", dataset_size=100, batch_size=50, max_batch=10)
-    with pytest.raises(pv.BatchOverflowError, match="raise max_batch"):
-        cfg.sample(key)
+    draw = jax.jit(cfg.sample)(key)  # the flag is an array: sampling runs under jit
+    assert bool(draw.overflow) and int(draw.mask.sum()) == 10
+    with pytest.raises(pv.BatchOverflowError, match="Raise max_batch"):
+        pv.check_step(draw)
+    data = _data(jax.random.key(1), 100)
+    dp = pv.DPGradient(_loss, pv.DPConfig(1.0, 1.0, cfg))
+    with pytest.raises(pv.BatchOverflowError):
+        dp(_mlp_params(key), FROZEN, data, key)
 
 
 def test_fixed_size_sampling(key):
     cfg = pv.SamplingConfig("fixed", dataset_size=30, batch_size=10)
-    idx, mask = cfg.sample(key)
-    assert len(np.unique(np.asarray(idx))) == 10 and bool(mask.all())
+    idx, mask, overflow = cfg.sample(key)
+    assert len(np.unique(np.asarray(idx))) == 10 and bool(mask.all()) and not bool(overflow)
 
 
 def test_dp_gradient_end_to_end_and_event(key):
@@ -230,10 +237,11 @@ def test_bad_configs_rejected():
     with pytest.raises(ValueError, match="batch_size"):
         pv.SamplingConfig("poisson", dataset_size=10, batch_size=11)
     with pytest.raises(ValueError, match="microbatch_size"):
-        pv.ClipConfig(1.0, microbatch_size=0)
+        pv.DPGradient(_loss, pv.DPConfig(1.0, 1.0, pv.SamplingConfig("full", dataset_size=4)),
+                      microbatch_size=0)
     with pytest.raises(ValueError, match="not a multiple of microbatch_size"):
         pv.clipped_sum(_loss, _mlp_params(jax.random.key(0)), FROZEN,
-                       _data(jax.random.key(0), 10), None, pv.ClipConfig(1.0, microbatch_size=4))
+                       _data(jax.random.key(0), 10), None, pv.ClipConfig(1.0), microbatch_size=4)
     with pytest.raises(ValueError, match="dataset_size"):
         cfg = pv.DPConfig(1.0, 1.0, pv.SamplingConfig("full", dataset_size=4))
         pv.DPGradient(_loss, cfg)(_mlp_params(jax.random.key(0)), FROZEN,
@@ -244,10 +252,10 @@ def test_dp_gradient_pads_poisson_batch_to_microbatch_multiple(key):
     params = _mlp_params(key)
     data = _data(jax.random.key(6), 30)
     sampling = pv.SamplingConfig("poisson", dataset_size=30, batch_size=10, max_batch=23)
-    cfg = pv.DPConfig(l2_clip=0.5, noise_multiplier=0.0, sampling=sampling, microbatch_size=4)
-    grad, info, _ = pv.DPGradient(_loss, cfg)(params, FROZEN, data, key)
+    cfg = pv.DPConfig(l2_clip=0.5, noise_multiplier=0.0, sampling=sampling)
+    grad, info, _ = pv.DPGradient(_loss, cfg, microbatch_size=4)(params, FROZEN, data, key)
     assert info.mask.shape == (24,) and not bool(info.mask[23])
-    idx, mask = sampling.sample(jax.random.split(key)[0])
+    idx, mask, _ = sampling.sample(jax.random.split(key)[0])
     real = jax.tree.map(lambda x: x[np.asarray(idx)[np.asarray(mask)]], data)
     ref = _slow_clipped_sum(params, real, 0.5)
     _assert_tree_close(grad, jax.tree.map(lambda a: a / 10.0, ref), rtol=2e-5, atol=1e-7)
@@ -274,7 +282,7 @@ def test_poisson_rate_is_tight_around_q(key):
     n, b, draws = 20_000, 1_000, 100
     cfg = pv.SamplingConfig("poisson", dataset_size=n, batch_size=b)
     q, trials = cfg.q, n * draws
-    total = sum(int(cfg.sample(jax.random.fold_in(key, i))[1].sum()) for i in range(draws))
+    total = sum(int(cfg.sample(jax.random.fold_in(key, i)).mask.sum()) for i in range(draws))
     mean, sd = trials * q, math.sqrt(trials * q * (1 - q))
     biased = 1.05 * q  # the band must be able to see a 5% excess: check its power first
     assert trials * biased - mean > 5 * sd + 5 * math.sqrt(trials * biased * (1 - biased))
@@ -298,7 +306,7 @@ def test_poisson_threshold_rejects_rates_outside_unit_interval():
 
 def test_poisson_rate_one_includes_everyone(key):
     cfg = pv.SamplingConfig("poisson", dataset_size=37, batch_size=37)
-    idx, mask = cfg.sample(key)
+    idx, mask, _ = cfg.sample(key)
     np.testing.assert_array_equal(idx, np.arange(37))
     assert bool(mask.all())
 
@@ -341,7 +349,7 @@ def test_poisson_sampler_output_pinned_by_independent_reimplementation(seed):
     chosen = np.flatnonzero(_words_as_u64(k, n) < np.uint64(_threshold(b / n)))
     want_idx = np.zeros(max_batch, np.int32)
     want_idx[:len(chosen)] = chosen
-    idx, mask = cfg.sample(k)
+    idx, mask, _ = cfg.sample(k)
     assert idx.dtype == jnp.int32 and mask.dtype == jnp.bool_
     np.testing.assert_array_equal(idx, want_idx)
     np.testing.assert_array_equal(mask, np.arange(max_batch) < len(chosen))

@@ -41,10 +41,12 @@ def test_eight_devices_equal_one_with_tight_clipping(mesh8):
 def test_gspmd_jit_over_sharded_batch_equals_one_device(mesh8):
     params = _mlp_params(jax.random.key(0))
     data = _data(jax.random.key(2), 32)
-    cfg = pv.ClipConfig(TIGHT, microbatch_size=8)
-    one = jax.jit(lambda p, b: pv.clipped_sum(_loss, p, FROZEN, b, None, cfg))(params, data)
+    cfg = pv.ClipConfig(TIGHT)
+    one = jax.jit(lambda p, b: pv.clipped_sum(_loss, p, FROZEN, b, None, cfg,
+                                              microbatch_size=8))(params, data)
     sharded = pv.shard_batch(data, mesh8)
-    many = jax.jit(lambda p, b: pv.clipped_sum(_loss, p, FROZEN, b, None, cfg))(
+    many = jax.jit(lambda p, b: pv.clipped_sum(_loss, p, FROZEN, b, None, cfg,
+                                               microbatch_size=8))(
         pv.replicate(params, mesh8), sharded)
     _close(many.grad_sum, one.grad_sum)
 

@@ -48,7 +48,7 @@ from pavejax import lora
 from pavejax.accounting import Ledger
 from pavejax.audit.games import GameResult, evaluate_game
 from pavejax.pave import spec as spec_lib
-from pavejax.privacy import noisy_gradient, poisson_indices, take_batch
+from pavejax.privacy import noisy_gradient, take_batch
 
 __all__ = [
     "SpecSampler",
@@ -92,8 +92,8 @@ class SpecSampler:
             raise TypeError("config must be a pavejax.pave.spec.SpecConfig")
         if not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 1:
             raise ValueError(f"chunk must be a positive int, got {chunk!r}")
-        if config.privacy is not None and config.privacy.microbatch_size is not None:
-            raise ValueError("set privacy.microbatch_size=None for audits (it changes memory, "
+        if config.privacy is not None and config.microbatch_size is not None:
+            raise ValueError("set microbatch_size=None for audits (it changes memory, "
                              "not the mechanism)")
         self.logits_fn, self.backbone, self.predicate = logits_fn, backbone, predicate
         self.config, self.aux, self.chunk = config, aux, chunk
@@ -117,10 +117,10 @@ class SpecSampler:
         return sum(r * d for r, d in self.blocks)
 
     def _dp(self, n: int):
-        # generate_spec's (sampling, sigma, DPGradient) for n rows (sigma calibrated once).
+        # generate_spec's (sampling, sigma, plan) for n rows (sigma calibrated once).
         if n not in self._setups:
-            self._setups[n] = spec_lib._dp_setup(self.logits_fn, self.config.lora, n,
-                                                 self.config)
+            plan = spec_lib.spec_dp_plan(self.logits_fn, n, self.config)
+            self._setups[n] = (plan.sampling, plan.noise_multiplier, plan)
         return self._setups[n]
 
     def noise_multiplier(self, n: int) -> float:
@@ -184,7 +184,7 @@ class SpecSampler:
         if a_key.ndim > 1 or (a_key.ndim == 1 and a_key.shape[0] != seeds.size):
             raise ValueError(f"a_key must be one key (fixed A) or one key per seed (fresh A); "
                              f"got key shape {a_key.shape} for {seeds.size} seeds")
-        run_fixed, run_fresh, max_batch = self._program(n)
+        run_fixed, run_fresh, _ = self._program(n)
         fresh = a_key.ndim == 1
         fixed_a = None if fresh else self._a_one(a_key)
         present = jnp.asarray(present)
@@ -196,10 +196,10 @@ class SpecSampler:
             if fresh:
                 k = a_key[i:i + self.chunk]
                 k = jnp.concatenate([k, jnp.broadcast_to(k[:1], (pad,))]) if pad else k
-                vec, count = run_fresh(s_pad, self._a_many(k), data, present)
+                vec, overflow = run_fresh(s_pad, self._a_many(k), data, present)
             else:
-                vec, count = run_fixed(s_pad, fixed_a, data, present)
-            if int(count) > max_batch:
+                vec, overflow = run_fixed(s_pad, fixed_a, data, present)
+            if bool(overflow):
                 raise ValueError("a Poisson draw overflowed max_batch in an audit run; "
                                  "generate_spec would have refused that step. Use other seeds "
                                  "or a larger max_batch")
@@ -221,18 +221,18 @@ def _build_program(sampler: SpecSampler, n: int):
         max_batch = n
 
         def step_fn(B, A, data, present, key, t):
-            return grad_fn(B, (A, params, aux), data)[1], jnp.int32(0)
+            return grad_fn(B, (A, params, aux), data)[1], jnp.zeros((), bool)
     else:
         sampling, _, dp = sampler._dp(n)
         max_batch = sampling.max_batch
 
         def step_fn(B, A, data, present, key, t):
             k_sample, k_noise = jax.random.split(jax.random.fold_in(key, t))
-            idx, mask, count = _draw(sampling, k_sample)
+            idx, mask, overflow = sampling.sample(k_sample)
             mask = mask & jnp.take(present, idx)
-            grad, _ = noisy_gradient(dp.loss_fn, B, (A, params, aux), take_batch(data, idx),
-                                     mask, k_noise, dp.config)
-            return grad, count
+            grad, _ = noisy_gradient(dp.example_loss, B, (A, params, aux), take_batch(data, idx),
+                                     mask, k_noise, dp.dp_config)
+            return grad, overflow
 
     def one_run(seed, A, data, present):
         B = jax.tree.map(jnp.zeros_like, B0)
@@ -240,19 +240,19 @@ def _build_program(sampler: SpecSampler, n: int):
 
         def body(carry, t):
             B, opt_state = carry
-            grad, count = step_fn(B, A, data, present, key, t)
+            grad, overflow = step_fn(B, A, data, present, key, t)
             B, opt_state = spec_lib._apply(B, grad, opt_state, opt, config)
-            return (B, opt_state), count
+            return (B, opt_state), overflow
 
-        (B, _), counts = jax.lax.scan(body, (B, opt.init(B)), jnp.arange(config.steps))
-        return _spec_vector(B, A, config), jnp.max(counts)
+        (B, _), flags = jax.lax.scan(body, (B, opt.init(B)), jnp.arange(config.steps))
+        return _spec_vector(B, A, config), jnp.any(flags)
 
     def batched(a_axis):
         run = jax.vmap(one_run, in_axes=(0, a_axis, None, None))
 
         def f(seeds, A, data, present):
-            vec, counts = run(seeds, A, data, present)
-            return vec, jnp.max(counts)
+            vec, flags = run(seeds, A, data, present)
+            return vec, jnp.any(flags)
 
         return jax.jit(f, compiler_options=_FAST_COMPILE)
 
@@ -269,17 +269,6 @@ def _spec_vector(B: Mapping[str, jax.Array], A: Mapping[str, jax.Array],
             b = b * jnp.float32(math.sqrt(A[p].shape[0] / config.rank))
         blocks.append(b)
     return jnp.concatenate(blocks)
-
-
-def _draw(sampling, key: jax.Array):
-    # SamplingConfig.sample, minus its host-side overflow check (reported after the run).
-    n = sampling.dataset_size
-    if sampling.kind == "full":
-        return jnp.arange(n, dtype=jnp.int32), jnp.ones(sampling.max_batch, bool), jnp.int32(n)
-    if sampling.kind == "fixed":
-        idx = jax.random.choice(key, n, (sampling.batch_size,), replace=False)
-        return idx.astype(jnp.int32), jnp.ones(sampling.batch_size, bool), jnp.int32(0)
-    return poisson_indices(key, n, sampling.q, sampling.max_batch)
 
 
 def spec_sampler(logits_fn: spec_lib.LogitsFn, backbone: spec_lib.Backbone,

@@ -111,7 +111,7 @@ def run(ns: argparse.Namespace) -> int:
     epsilon = ns.epsilon if ns.epsilon is not None or ns.model is None else 4.0
     privacy = None if epsilon is None else PrivacyConfig(
         target_epsilon=epsilon, l2_clip=ns.clip, sampling="full", accountant="rdp",
-        delta=ns.delta, microbatch_size=32)
+        delta=ns.delta)
     # DP-S-PAVE draws its noise key fresh from the OS (generate_spec's default)
     # a non-private spec (the user side) clips each example like the DP release, without noise
     config = (SpecConfig.preset("one_step", rank=rank, progress=False, privacy=privacy)
@@ -148,8 +148,7 @@ def _microbatched(config, n: int):
     # padded full batch must hold whole chunks)
     if config.privacy is None:
         return config
-    return dataclasses.replace(config, privacy=dataclasses.replace(
-        config.privacy, microbatch_size=min(32, n)))
+    return dataclasses.replace(config, microbatch_size=min(32, n))
 
 
 def _model_side(ns, config, a_key, layers):

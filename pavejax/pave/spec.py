@@ -54,11 +54,20 @@ from tqdm.auto import tqdm
 
 from pavejax import lora
 from pavejax._releasable import REPLAYABLE
-from pavejax.accounting import Ledger, calibrate_noise
+from pavejax.accounting import Ledger, calibrate, gaussian_step_event, run_event
 from pavejax.checkpointing import TrainCheckpointer, run_record
 from pavejax.optim import promotion_safe
-from pavejax.pave._dp_loop import run_dp_steps
-from pavejax.privacy import ClipConfig, DPConfig, DPGradient, SamplingConfig, clipped_sum
+from pavejax import training
+from pavejax.privacy import (
+    ClipConfig,
+    DPConfig,
+    SamplingConfig,
+    check_step,
+    clipped_sum,
+    private_gradient,
+    replicate,
+)
+from pavejax.training import Charge
 from pavejax.spec_types import PaveSpec, SpecSignature
 
 __all__ = [
@@ -66,12 +75,15 @@ __all__ = [
     "Backbone",
     "PrivacyConfig",
     "SpecConfig",
+    "SpecDPPlan",
     "SpecResult",
+    "SpecStepStats",
     "backbone_hash",
     "generate_spec",
     "hard_targets",
     "model_spec",
     "soft_targets",
+    "spec_dp_plan",
     "spec_signature",
     "user_spec",
 ]
@@ -123,7 +135,6 @@ class PrivacyConfig:
       accountant: ``"pld"`` (default) or ``"rdp"``. dp-accounting's RDP has no analysis of
         Poisson sampling under replace-one neighbouring, so RDP needs ``sampling="fixed"`` or
         ``"full"``.
-      microbatch_size: examples per vmapped chunk (memory), None for all at once.
     """
 
     l2_clip: float = 1.0
@@ -133,7 +144,6 @@ class PrivacyConfig:
     sampling: str = "poisson"
     clipping: str = "joint"
     accountant: str = "pld"
-    microbatch_size: int | None = None
 
     def __post_init__(self) -> None:
         _positive("l2_clip", self.l2_clip)
@@ -158,8 +168,6 @@ class PrivacyConfig:
             raise ValueError("the RDP accountant cannot analyse Poisson sampling under "
                              "replace-one neighbouring: use accountant='pld' (default) or "
                              "sampling='fixed'")
-        if self.microbatch_size is not None:
-            _positive("microbatch_size", self.microbatch_size, integer=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -190,6 +198,8 @@ class SpecConfig:
         never uses it: its sampling and noise come from a fresh OS-random key
         (``generate_spec(noise_key=...)``).
       privacy: None (non-private) or a :class:`PrivacyConfig` (DP-S-PAVE).
+      microbatch_size: DP-S-PAVE: examples whose per-example gradients are held at once
+        (memory only, never the result's distribution); None for the whole padded batch.
       progress: show a progress bar.
     """
 
@@ -208,6 +218,7 @@ class SpecConfig:
     example_clip: float | None = None
     seed: int = 0
     privacy: PrivacyConfig | None = None
+    microbatch_size: int | None = None
     progress: bool = True
 
     def __post_init__(self) -> None:
@@ -226,6 +237,8 @@ class SpecConfig:
         if self.layer_scaling not in ("none", "fan_in"):
             raise ValueError(f"layer_scaling must be 'none' or 'fan_in', got "
                              f"{self.layer_scaling!r}")
+        if self.microbatch_size is not None:
+            _positive("microbatch_size", self.microbatch_size, integer=True)
         if self.privacy is not None and not isinstance(self.privacy, PrivacyConfig):
             raise TypeError("privacy must be a PrivacyConfig or None")
         if self.example_clip is not None:
@@ -449,14 +462,20 @@ def generate_spec(logits_fn: LogitsFn, backbone: Backbone, predicate: lora.Predi
                        and config.l1 == 0 and config.example_clip is None)
     else:
         priv = config.privacy
-        sampling, sigma, dp_grad = _dp_setup(logits_fn, lcfg, n, config, mesh)
+        plan = spec_dp_plan(logits_fn, n, config, mesh)
+        sampling, sigma = plan.sampling, plan.noise_multiplier
         run = run_record("dp-s-pave", config, exclude=("steps", "progress"), sigma=sigma,
                          kind=kind, num_examples=n, backbone=backbone.hash, a_hash=lora.a_hash(A))
-        out = run_dp_steps(dp_grad, lambda b, g, s: _apply(b, g, s, opt, config), B, opt_state,
-                           frozen, data, noise_key, config.steps, accountant=priv.accountant,
-                           checkpointer=checkpointer, run=run, desc=desc,
+        place = None if mesh is None else functools.partial(replicate, mesh=mesh)
+        batch = (frozen, data) if mesh is None else (replicate(frozen, mesh), data)
+        # The ledger is under replace-one: the release states its dataset size, so no
+        # add/remove figure would hold.
+        out = training.run(plan.step, plan.init(B), noise_key, config.steps, batch=batch,
+                           ledger=Ledger("replace_one", accountant=priv.accountant),
+                           checkpointer=checkpointer, run_record=run, check=check_step,
+                           metric=lambda st: st.loss, place=place, desc=desc,
                            progress=config.progress)
-        B, ledger, losses = out.B, out.ledger, out.losses
+        (B, _), ledger, losses = out.state, out.ledger, out.metrics
         key_origin = ("supplied by the caller (replayable: not for release)"
                       if noise_key is not None else
                       "fresh from the operating system, never recorded")
@@ -524,14 +543,15 @@ def _clipped_mean_grad(logits_fn: LogitsFn, lcfg: lora.LoraConfig, l2_clip: floa
 @functools.cache
 def _clipped_mean_grad_jit(logits_fn: LogitsFn, lcfg: lora.LoraConfig, l2_clip: float,
                            microbatch: int) -> Callable:
-    clip_cfg = ClipConfig(l2_clip, microbatch_size=microbatch)
+    clip_cfg = ClipConfig(l2_clip)
 
     def example_loss(b, frozen, ex):
         return _example_losses(logits_fn, lcfg, b, frozen, jax.tree.map(lambda v: v[None], ex))[0]
 
     @jax.jit
     def fn(b, frozen, batch, mask):
-        res = clipped_sum(example_loss, b, frozen, batch, mask, clip_cfg)
+        res = clipped_sum(example_loss, b, frozen, batch, mask, clip_cfg,
+                          microbatch_size=microbatch)
         count = jnp.sum(mask).astype(jnp.float32)
         loss = jnp.sum(jnp.where(mask, res.losses, 0.0)) / count
         return loss, jax.tree.map(lambda g: g / count, res.grad_sum), res.num_nonfinite
@@ -546,23 +566,68 @@ def _apply(B, grad, opt_state, opt, config):
     return optax.apply_updates(B, updates), opt_state
 
 
+class SpecStepStats(NamedTuple):
+    """Local statistics of one DP-S-PAVE step (not privatised: keep them local)."""
+
+    loss: jax.Array
+    num_nonfinite: jax.Array
+    overflow: jax.Array
+
+
+class SpecDPPlan(NamedTuple):
+    """DP-S-PAVE as a pure step (the protocol of :mod:`pavejax.training`).
+
+    ``state = (B, opt_state)`` (:meth:`init`); ``batch = (frozen, data)`` with ``frozen = (A,
+    backbone params, aux)`` and ``data`` the spec inputs plus ``"__target"`` rows (what
+    :func:`generate_spec` builds); :meth:`step` samples, clips, adds the noise, applies the
+    optimiser and returns ``(state, Charge, SpecStepStats)``. ``generate_spec`` is this step
+    under :func:`pavejax.training.run` with ``fold_in(noise_key, t)`` as step t's key.
+    """
+
+    sampling: SamplingConfig
+    noise_multiplier: float
+    dp_config: DPConfig
+    example_loss: Callable
+    optimizer: optax.GradientTransformation
+    l1: float
+    microbatch_size: int | None
+    mesh: jax.sharding.Mesh | None
+
+    def init(self, B: PyTree) -> tuple[PyTree, Any]:
+        """The initial state ``(B, optimiser state)``."""
+        return B, self.optimizer.init(B)
+
+    def step(self, state, batch, key):
+        """One DP-S-PAVE step (pure, jittable; see the class docstring)."""
+        B, opt_state = state
+        frozen, data = batch
+        grad, info = private_gradient(self.example_loss, B, frozen, data, key, self.dp_config,
+                                      self.mesh, microbatch_size=self.microbatch_size)
+        if self.l1:
+            grad = jax.tree.map(jnp.add, grad, _l1_grad(B, self.l1))
+        updates, opt_state = self.optimizer.update(grad, opt_state, B)
+        m = info.mask.astype(jnp.float32)
+        loss = jnp.sum(info.losses * m) / jnp.maximum(jnp.sum(m), 1.0)
+        return ((optax.apply_updates(B, updates), opt_state),
+                Charge(self.dp_config.step_event(), jnp.float32(0), "dp-s-pave"),
+                SpecStepStats(loss, info.num_nonfinite, info.overflow))
+
+
 @functools.cache
-def _dp_gradient(logits_fn: LogitsFn, lcfg: lora.LoraConfig, dp_cfg: DPConfig,
-                 mesh: jax.sharding.Mesh | None) -> DPGradient:
-    def example_loss(b, frozen, ex):
-        return _example_losses(logits_fn, lcfg, b, frozen, jax.tree.map(lambda v: v[None], ex))[0]
-
-    return DPGradient(example_loss, dp_cfg, mesh=mesh)
-
-
-def _dp_setup(logits_fn: LogitsFn, lcfg: lora.LoraConfig, n: int, config: SpecConfig,
-              mesh: jax.sharding.Mesh | None = None):
+def spec_dp_plan(logits_fn: LogitsFn, n: int, config: SpecConfig,
+                 mesh: jax.sharding.Mesh | None = None) -> SpecDPPlan:
+    """The DP-S-PAVE plan of ``config`` on ``n`` spec examples: the sampling, the noise
+    multiplier (calibrated once from ``target_epsilon`` if given), the per-step
+    :class:`~pavejax.privacy.DPConfig` (whose ``step_event`` each step charges) and the step."""
     priv = config.privacy
+    if priv is None:
+        raise ValueError("spec_dp_plan needs config.privacy (a PrivacyConfig)")
+    lcfg = config.lora
     kind = priv.sampling
     sampling = SamplingConfig(kind, dataset_size=n, batch_size=min(config.batch_size, n))
     if kind != "full" and sampling.batch_size == n:
         sampling = SamplingConfig("full", dataset_size=n)
-    mb = priv.microbatch_size
+    mb = config.microbatch_size
     if mb is not None:
         mb = min(mb, sampling.max_batch)  # a microbatch larger than any batch is one batch
         if sampling.max_batch % mb:
@@ -570,16 +635,22 @@ def _dp_setup(logits_fn: LogitsFn, lcfg: lora.LoraConfig, n: int, config: SpecCo
     sigma = priv.noise_multiplier
     if sigma is None:
         fixed = sampling.kind == "fixed"
-        sigma = calibrate_noise(priv.target_epsilon, priv.delta, q=sampling.q, steps=config.steps,
-                                sampling="fixed" if fixed else "poisson",
-                                relation="replace_one", accountant=priv.accountant,
-                                dataset_size=n if fixed else None,
-                                batch_size=sampling.batch_size if fixed else None)
+        step = functools.partial(gaussian_step_event, q=sampling.q,
+                                 sampling="fixed" if fixed else "poisson",
+                                 dataset_size=n if fixed else None,
+                                 batch_size=sampling.batch_size if fixed else None)
+        sigma = calibrate(lambda z: run_event(step(z), config.steps), priv.target_epsilon,
+                          priv.delta, relation="replace_one", accountant=priv.accountant)
     # DPConfig's multiplier is relative to the add/remove sensitivity C (per-layer: C sqrt(L));
     # the replace-one ledger doubles the sensitivity, i.e. noise sigma C vs sensitivity 2C.
     dp_cfg = DPConfig(priv.l2_clip, float(sigma), sampling, relation="replace_one",
-                      clipping=priv.clipping, microbatch_size=mb)
-    return sampling, float(sigma), _dp_gradient(logits_fn, lcfg, dp_cfg, mesh)
+                      clipping=priv.clipping)
+
+    def example_loss(b, frozen, ex):
+        return _example_losses(logits_fn, lcfg, b, frozen, jax.tree.map(lambda v: v[None], ex))[0]
+
+    return SpecDPPlan(sampling, float(sigma), dp_cfg, example_loss, _optimizer(config),
+                      float(config.l1), mb, mesh)
 
 
 def _config_record(config: SpecConfig) -> dict[str, Any]:

@@ -1,8 +1,15 @@
-"""The model-agnostic DP engine: per-example clipping, Gaussian noise, sampling, sharding."""
+"""The model-agnostic DP engine: per-example clipping, Gaussian noise, sampling, sharding.
+
+Every piece is pure and jittable (``jit``, ``vmap``, ``lax.scan``, ``shard_map``); the host
+checks (:func:`check_step`) and :class:`DPGradient` are thin wrappers around them.
+"""
+
+from pavejax.privacy.checks import NonFiniteError as NonFiniteError, check_step as check_step
 
 from pavejax.privacy.clipping import (
     ClipConfig as ClipConfig,
     ClipResult as ClipResult,
+    check_microbatch_size as check_microbatch_size,
     clip_per_example as clip_per_example,
     clipped_sum as clipped_sum,
     leaf_paths as leaf_paths,
@@ -13,16 +20,21 @@ from pavejax.privacy.gradient import (
     DPGradient as DPGradient,
     StepInfo as StepInfo,
     noisy_gradient as noisy_gradient,
+    private_gradient as private_gradient,
 )
 from pavejax.privacy.noise import (
+    PrivatizerState as PrivatizerState,
     fresh_key as fresh_key,
     gaussian_noise_like as gaussian_noise_like,
+    gaussian_privatizer as gaussian_privatizer,
     privatize_sum as privatize_sum,
 )
 from pavejax.privacy.sampling import (
     BatchOverflowError as BatchOverflowError,
+    Draw as Draw,
     SamplingConfig as SamplingConfig,
     max_batch_for as max_batch_for,
+    pad_batch as pad_batch,
     poisson_indices as poisson_indices,
     take_batch as take_batch,
 )

@@ -56,26 +56,18 @@ class ClipConfig:
       l2_clip: clip norm C (> 0, finite). Joint: bound on the whole per-example gradient;
         per-layer: bound on each leaf.
       clipping: ``"joint"`` (default; sensitivity C) or ``"per_layer"`` (sensitivity C*sqrt(L)).
-      microbatch_size: examples per vmapped chunk; ``None`` vmaps the whole batch at once. The
-        batch size must be a multiple of it.
       sparse_rows: mapping from a trainable leaf path (``"a/b/embedding"``) to the example field
         holding the int row ids that index it (``"input_ids"``); see the module docstring.
     """
 
     l2_clip: float
     clipping: str = "joint"
-    microbatch_size: int | None = None
     sparse_rows: Mapping[str, str] | tuple = ()
 
     def __post_init__(self):
         object.__setattr__(self, "l2_clip", _finite_float("l2_clip", self.l2_clip))
         if self.clipping not in _CLIPPINGS:
             raise ValueError(f"clipping must be one of {_CLIPPINGS}, got {self.clipping!r}.")
-        if self.microbatch_size is not None and (
-            not isinstance(self.microbatch_size, int) or self.microbatch_size < 1
-        ):
-            raise ValueError(f"microbatch_size must be a positive int or None, "
-                             f"got {self.microbatch_size!r}.")
         # Stored as sorted pairs so that the config is hashable (a static jit argument).
         object.__setattr__(self, "sparse_rows", tuple(sorted(dict(self.sparse_rows).items())))
 
@@ -249,8 +241,18 @@ def _weighted_sum(trainable, grads, coefs, rows):
     return jax.tree.unflatten(treedef, out)
 
 
+def check_microbatch_size(microbatch_size: int | None) -> int | None:
+    """Validates a microbatch size (a performance knob: it never changes the result)."""
+    if microbatch_size is not None and (isinstance(microbatch_size, bool) or not isinstance(
+            microbatch_size, int) or microbatch_size < 1):
+        raise ValueError(f"microbatch_size must be a positive int or None, "
+                         f"got {microbatch_size!r}.")
+    return microbatch_size
+
+
 def clipped_sum(loss_fn: LossFn, trainable: PyTree, frozen: PyTree, batch: PyTree,
-                mask: jax.Array | None, cfg: ClipConfig) -> ClipResult:
+                mask: jax.Array | None, cfg: ClipConfig, *, microbatch_size: int | None = None,
+                axis_name: str | None = None) -> ClipResult:
     """Sum over real rows of per-example gradients, each clipped as ``cfg`` says.
 
     Args:
@@ -260,19 +262,33 @@ def clipped_sum(loss_fn: LossFn, trainable: PyTree, frozen: PyTree, batch: PyTre
       batch: pytree whose leaves have a leading axis B (padded to a static size).
       mask: (B,) bool, True for real rows; ``None`` means all rows are real.
       cfg: the :class:`ClipConfig`.
+      microbatch_size: examples per vmapped chunk (memory only, never the result); ``None``
+        vmaps the whole batch at once. The batch size must be a multiple of it.
+      axis_name: inside the caller's ``shard_map`` whose ``axis_name`` axis shards the batch:
+        each device clips its own rows and the sums (and counts) are ``psum``-ed over the axis,
+        so every device returns the global clipped sum; ``losses``/``norms`` stay per shard.
+        The parameters are ``pcast`` to varying first (see :mod:`pavejax.privacy.sharding`:
+        without it JAX would sum per-example gradients across shards *before* clipping).
 
     Returns:
-      :class:`ClipResult`. Jittable; with ``cfg.microbatch_size`` the batch is processed in
+      :class:`ClipResult`. Jittable; with ``microbatch_size`` the batch is processed in
       sequential chunks (``lax.scan``), so at most ``microbatch_size`` per-example gradients
       exist at once.
     """
+    if axis_name is not None:
+        varying = jax.tree.map(lambda p: jax.lax.pcast(p, axis_name, to="varying"), trainable)
+        r = clipped_sum(loss_fn, varying, frozen, batch, mask, cfg,
+                        microbatch_size=microbatch_size)
+        return ClipResult(jax.lax.psum(r.grad_sum, axis_name), r.losses, r.norms,
+                          jax.lax.psum(r.num_clipped, axis_name),
+                          jax.lax.psum(r.num_nonfinite, axis_name))
     bsz = jax.tree.leaves(batch)[0].shape[0]
     if cfg.sparse_rows:
         _check_sparse(trainable, batch, cfg.sparse_rows)
     mask = jnp.ones((bsz,), bool) if mask is None else jnp.asarray(mask).astype(bool)
     if mask.shape != (bsz,):
         raise ValueError(f"mask must have shape ({bsz},) to match the batch, got {mask.shape}.")
-    mb = cfg.microbatch_size
+    mb = check_microbatch_size(microbatch_size)
     if mb is None or mb >= bsz:
         total, (losses, norms, nclip, nbad) = _chunk_clipped_sum(
             loss_fn, trainable, frozen, batch, mask, cfg)

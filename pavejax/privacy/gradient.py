@@ -1,7 +1,17 @@
 """One private gradient: sample, clip per example, sum, add noise once, normalise, account.
 
-``DPGradient(loss_fn, config)(trainable, frozen, data, key)`` returns the noisy mean gradient,
-step statistics and the ``dp_accounting.DpEvent`` describing exactly the noise just added.
+Pieces, from the most composable to the most convenient:
+
+* :func:`noisy_gradient` (pure, jittable): clipped sum + Gaussian noise on a given padded batch;
+* :func:`private_gradient` (pure, jittable): samples the batch from the whole data set first and
+  returns the overflow flag with the statistics (:func:`~pavejax.privacy.check_step` raises on
+  the flags on the host);
+* :class:`DPConfig` is the plan: its :meth:`~DPConfig.step_event` is the ``DpEvent`` of one
+  step without running it, and :meth:`~DPConfig.privatizer` the noise-adding optax
+  transformation for a user's own ``optax.chain``;
+* ``DPGradient(loss_fn, config)(trainable, frozen, data, key)`` is the thin host wrapper: it
+  runs :func:`private_gradient`, checks the flags and returns the noisy mean gradient, step
+  statistics and the event describing exactly the noise just added.
 
 Formal guarantee:
   One call is a (Poisson-, fixed-size- or un-) subsampled Gaussian mechanism on the clipped
@@ -22,9 +32,12 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from pavejax.privacy.clipping import ClipConfig, LossFn, clipped_sum
-from pavejax.privacy.noise import privatize_sum
-from pavejax.privacy.sampling import SamplingConfig, take_batch
+import optax
+
+from pavejax.privacy.checks import check_step
+from pavejax.privacy.clipping import ClipConfig, LossFn, check_microbatch_size, clipped_sum
+from pavejax.privacy.noise import gaussian_privatizer, privatize_sum
+from pavejax.privacy.sampling import SamplingConfig, pad_batch, take_batch
 from pavejax.privacy.sharding import data_parallel_clipped_sum
 
 PyTree = Any
@@ -44,7 +57,6 @@ class DPConfig:
         are then fixed public constants and ``n`` is published nowhere); pavejax's releases
         state their sizes, so they take ``"replace_one"`` and refuse add/remove ledgers.
       clipping: ``"joint"`` (default) or ``"per_layer"``.
-      microbatch_size: examples per vmapped chunk (memory), ``None`` for all at once.
       sparse_rows: trainable-leaf path -> example id field, for embedding tables.
     """
 
@@ -53,20 +65,19 @@ class DPConfig:
     sampling: SamplingConfig
     relation: str = "add_remove"
     clipping: str = "joint"
-    microbatch_size: int | None = None
     sparse_rows: Mapping[str, str] | tuple = ()
 
     def __post_init__(self):
         z = self.noise_multiplier
         if not isinstance(z, (int, float)) or not math.isfinite(z) or z < 0:
             raise ValueError(f"noise_multiplier must be a finite number >= 0, got {z!r}; "
-                             "use pavejax.accounting.calibrate_noise to pick one for a target ε.")
+                             "use pavejax.accounting.calibrate to pick one for a target ε.")
         if self.relation not in _RELATIONS:
             raise ValueError(f"relation must be one of {_RELATIONS}, got {self.relation!r}.")
         if not isinstance(self.sampling, SamplingConfig):
             raise TypeError("sampling must be a pavejax.privacy.SamplingConfig.")
         object.__setattr__(self, "clip", ClipConfig(self.l2_clip, self.clipping,
-                                                    self.microbatch_size, self.sparse_rows))
+                                                    self.sparse_rows))
 
     def step_event(self):
         """The ``dp_accounting.DpEvent`` of one step (multiplier relative to add/remove)."""
@@ -78,6 +89,22 @@ class DPConfig:
                                    dataset_size=s.dataset_size, batch_size=s.batch_size)
 
 
+    def sensitivity(self, num_leaves: int) -> float:
+        """Add/remove L2 sensitivity of the clipped sum over ``num_leaves`` trainable leaves."""
+        return self.clip.sensitivity(num_leaves, "add_remove")
+
+    def privatizer(self, key: jax.Array, *,
+                   noise_multiplier: float | jax.Array | None = None
+                   ) -> optax.GradientTransformation:
+        """The noise-adding optax transformation of this plan (clipped sum in, noisy mean out;
+        :func:`pavejax.privacy.gaussian_privatizer`); each ``update`` is one release whose event
+        is :meth:`step_event`. ``noise_multiplier`` overrides ``self.noise_multiplier`` with a
+        (possibly traced) value; the caller then accounts for that value."""
+        z = self.noise_multiplier if noise_multiplier is None else noise_multiplier
+        return gaussian_privatizer(key, noise_multiplier=z, sensitivity=self.sensitivity,
+                                   expected_batch_size=self.sampling.expected_batch_size)
+
+
 class StepInfo(NamedTuple):
     """Per-step statistics (device arrays; they are *not* private releases, keep them local)."""
 
@@ -86,25 +113,58 @@ class StepInfo(NamedTuple):
     mask: jax.Array
     num_clipped: jax.Array
     num_nonfinite: jax.Array
+    overflow: jax.Array | bool = False
 
 
 def noisy_gradient(loss_fn: LossFn, trainable: PyTree, frozen: PyTree, batch: PyTree,
                    mask: jax.Array, key: jax.Array, config: DPConfig,
-                   mesh: jax.sharding.Mesh | None = None):
-    """Pure, jittable core: (noisy mean gradient, :class:`StepInfo`) for a given padded batch."""
-    if mesh is None:
-        r = clipped_sum(loss_fn, trainable, frozen, batch, mask, config.clip)
+                   mesh: jax.sharding.Mesh | None = None, *,
+                   microbatch_size: int | None = None, axis_name: str | None = None,
+                   noise_multiplier: float | jax.Array | None = None):
+    """Pure, jittable core: (noisy mean gradient, :class:`StepInfo`) for a given padded batch.
+
+    ``mesh`` shards the batch over its ``'data'`` axis (:func:`data_parallel_clipped_sum`);
+    ``axis_name`` is for a call inside the caller's own ``shard_map`` (see
+    :func:`~pavejax.privacy.clipped_sum`; the noise key must then be the same on every device
+    so the noise is added once). ``noise_multiplier`` overrides the config's (a traced value
+    for a vmapped sweep; the caller accounts for it).
+    """
+    if mesh is not None:
+        r = data_parallel_clipped_sum(loss_fn, trainable, frozen, batch, mask, config.clip, mesh,
+                                      microbatch_size=microbatch_size)
     else:
-        r = data_parallel_clipped_sum(loss_fn, trainable, frozen, batch, mask, config.clip, mesh)
-    sens = config.clip.sensitivity(len(jax.tree.leaves(trainable)), "add_remove")
-    grad = privatize_sum(r.grad_sum, key, noise_multiplier=config.noise_multiplier,
-                         sensitivity=sens,
+        r = clipped_sum(loss_fn, trainable, frozen, batch, mask, config.clip,
+                        microbatch_size=microbatch_size, axis_name=axis_name)
+    z = config.noise_multiplier if noise_multiplier is None else noise_multiplier
+    grad = privatize_sum(r.grad_sum, key, noise_multiplier=z,
+                         sensitivity=config.sensitivity(len(jax.tree.leaves(trainable))),
                          expected_batch_size=config.sampling.expected_batch_size)
     return grad, StepInfo(r.losses, r.norms, mask, r.num_clipped, r.num_nonfinite)
 
 
+def private_gradient(loss_fn: LossFn, trainable: PyTree, frozen: PyTree, data: PyTree,
+                     key: jax.Array, config: DPConfig, mesh: jax.sharding.Mesh | None = None, *,
+                     microbatch_size: int | None = None,
+                     noise_multiplier: float | jax.Array | None = None):
+    """Pure, jittable: samples a batch of ``data`` (leaves with leading axis n) as the config
+    says, then :func:`noisy_gradient`. Returns (noisy mean gradient, :class:`StepInfo`) whose
+    ``overflow`` and ``num_nonfinite`` flags the caller must check before using the gradient
+    (:func:`~pavejax.privacy.check_step`). ``key`` is split into the sampling and noise keys.
+    """
+    k_sample, k_noise = jax.random.split(key)
+    draw = config.sampling.sample(k_sample)
+    batch = take_batch(data, draw.indices)
+    multiple = math.lcm(mesh.size if mesh is not None else 1, microbatch_size or 1)
+    batch, mask = pad_batch(batch, draw.mask, multiple)
+    grad, info = noisy_gradient(loss_fn, trainable, frozen, batch, mask, k_noise, config, mesh,
+                                microbatch_size=microbatch_size,
+                                noise_multiplier=noise_multiplier)
+    return grad, info._replace(overflow=draw.overflow)
+
+
 class DPGradient:
-    """A private-gradient oracle bound to a loss and a :class:`DPConfig`.
+    """A private-gradient oracle bound to a loss and a :class:`DPConfig` (a thin host wrapper
+    over :func:`private_gradient` and :func:`~pavejax.privacy.check_step`).
 
     Example:
       >>> dp = DPGradient(loss_fn, DPConfig(l2_clip=1.0, noise_multiplier=1.1,
@@ -113,38 +173,32 @@ class DPGradient:
       >>> ledger.record(event)
     """
 
-    def __init__(self, loss_fn: LossFn, config: DPConfig, mesh: jax.sharding.Mesh | None = None):
+    def __init__(self, loss_fn: LossFn, config: DPConfig, mesh: jax.sharding.Mesh | None = None,
+                 *, microbatch_size: int | None = None):
         self.loss_fn = loss_fn
         self.config = config
         self.mesh = mesh
-        self._core = jax.jit(functools.partial(noisy_gradient, loss_fn, config=config, mesh=mesh))
+        self.microbatch_size = check_microbatch_size(microbatch_size)
+        self.pure = functools.partial(private_gradient, loss_fn, config=config, mesh=mesh,
+                                      microbatch_size=microbatch_size)
+        self._core = jax.jit(self.pure)
 
-    def __call__(self, trainable: PyTree, frozen: PyTree, data: PyTree, key: jax.Array):
-        """Samples a batch from ``data`` (leaves with leading axis n) and releases one gradient.
-
-        Returns ``(noisy_mean_grad, StepInfo, DpEvent)``. Raises ``ValueError`` when a real
-        example produced a non-finite loss or gradient (nothing is released in that case).
-        """
+    def check_data(self, data: PyTree) -> None:
+        """Raises unless ``data`` has the config's ``dataset_size`` rows."""
         n = jax.tree.leaves(data)[0].shape[0]
         if n != self.config.sampling.dataset_size:
             raise ValueError(f"data has {n} examples but the sampling config says "
                              f"dataset_size={self.config.sampling.dataset_size}; rebuild the "
                              "config for this data set (q depends on it).")
-        k_sample, k_noise = jax.random.split(key)
-        idx, mask = self.config.sampling.sample(k_sample)
-        batch = take_batch(data, idx)
-        # Pad (masked out) to a multiple of the device count and of the microbatch size.
-        multiple = math.lcm(self.mesh.size if self.mesh is not None else 1,
-                            self.config.microbatch_size or 1)
-        pad = (-mask.shape[0]) % multiple
-        if pad:
-            batch = jax.tree.map(lambda x: jnp.concatenate([x, x[:pad]]), batch)
-            mask = jnp.concatenate([mask, jnp.zeros((pad,), bool)])
-        grad, info = self._core(trainable, frozen, batch, mask, k_noise)
-        bad = int(info.num_nonfinite)
-        if bad:
-            raise ValueError(
-                f"{bad} example(s) in this batch produced a NaN/Inf loss or gradient; nothing was "
-                "released. Check the inputs for NaN/Inf, the loss for log(0) or overflow, and "
-                "lower the learning rate if the parameters diverged.")
+
+    def __call__(self, trainable: PyTree, frozen: PyTree, data: PyTree, key: jax.Array):
+        """Samples a batch from ``data`` (leaves with leading axis n) and releases one gradient.
+
+        Returns ``(noisy_mean_grad, StepInfo, DpEvent)``. Raises ``BatchOverflowError`` or
+        ``NonFiniteError`` (a ``ValueError``) when the step's flags say so (nothing is released
+        in that case).
+        """
+        self.check_data(data)
+        grad, info = self._core(trainable, frozen, data, key)
+        check_step(info)
         return grad, info, self.config.step_event()

@@ -7,6 +7,11 @@ Formal guarantee:
   sensitivity doubles; the :mod:`pavejax.accounting` ledger applies that factor, so events always
   carry z relative to the add/remove sensitivity.
 
+The noise-adding step is also an optax ``GradientTransformation``
+(:func:`gaussian_privatizer`): its input is the clipped sum, its output the noisy mean, and its
+key lives in its state, so ``optax.chain(privatizer, optax.adamw(schedule))`` is a DP optimiser
+whose every ``update`` is one Gaussian release (its event: ``DPConfig.step_event``).
+
 Sharp edges:
   * Normalise by the *expected* batch size q*n, never by the realised Poisson batch size: the
     realised size depends on the data set and dividing by it is not covered by the analysis.
@@ -17,11 +22,13 @@ from __future__ import annotations
 
 import math
 import secrets
-from typing import Any
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
 PyTree = Any
 
@@ -53,23 +60,90 @@ def gaussian_noise_like(key: jax.Array, tree: PyTree, stddev: float) -> PyTree:
     return jax.tree.unflatten(treedef, noise)
 
 
-def privatize_sum(grad_sum: PyTree, key: jax.Array, *, noise_multiplier: float,
+def _concrete(x: Any) -> float | None:
+    """The Python float of ``x``, or None when it is traced (checked by the caller's plan)."""
+    if isinstance(x, jax.core.Tracer):
+        return None
+    try:
+        return float(x)
+    except (TypeError, ValueError):
+        raise TypeError(f"expected a real number, got {x!r}") from None
+
+
+def _check_noise_args(noise_multiplier: Any, expected_batch_size: Any) -> None:
+    z = _concrete(noise_multiplier)
+    if z is not None and not (math.isfinite(z) and z >= 0):
+        raise ValueError(f"noise_multiplier must be finite and >= 0, got {noise_multiplier!r}.")
+    b = _concrete(expected_batch_size)
+    if b is not None and not (math.isfinite(b) and b > 0):
+        raise ValueError("expected_batch_size must be > 0 (q * dataset size for Poisson "
+                         f"sampling), got {expected_batch_size!r}.")
+
+
+def privatize_sum(grad_sum: PyTree, key: jax.Array, *, noise_multiplier: float | jax.Array,
                   sensitivity: float, expected_batch_size: float) -> PyTree:
     """Noisy mean gradient ``(grad_sum + N(0, (noise_multiplier*sensitivity)^2)) / b_exp``.
 
     Args:
       grad_sum: clipped sum (pytree).
       key: PRNG key used for this release only.
-      noise_multiplier: z >= 0, noise std in units of ``sensitivity``.
+      noise_multiplier: z >= 0, noise std in units of ``sensitivity``. May be a traced array
+        (e.g. a ``vmap`` over several budgets): the values are then checked by whoever accounts
+        for them, not here.
       sensitivity: add/remove L2 sensitivity of ``grad_sum`` (the clip norm for joint clipping).
       expected_batch_size: public normaliser (q*n for Poisson sampling, b for fixed-size).
     """
-    if not (math.isfinite(noise_multiplier) and noise_multiplier >= 0):
-        raise ValueError(f"noise_multiplier must be finite and >= 0, got {noise_multiplier!r}.")
-    if not (math.isfinite(expected_batch_size) and expected_batch_size > 0):
-        raise ValueError("expected_batch_size must be > 0 (q * dataset size for Poisson "
-                         f"sampling), got {expected_batch_size!r}.")
-    std = float(noise_multiplier) * float(sensitivity)
-    noise = gaussian_noise_like(key, grad_sum, std)
-    inv = 1.0 / float(expected_batch_size)
-    return jax.tree.map(lambda s, n: (s + n) * jnp.asarray(inv, s.dtype), grad_sum, noise)
+    _check_noise_args(noise_multiplier, expected_batch_size)
+    std = jnp.asarray(noise_multiplier, jnp.float32) * jnp.float32(sensitivity)
+    noise = gaussian_noise_like(key, grad_sum, 1.0)
+    inv = 1.0 / jnp.asarray(expected_batch_size, jnp.float32)
+    return jax.tree.map(lambda s, n: ((s + n * std.astype(s.dtype)) * inv.astype(s.dtype)),
+                        grad_sum, noise)
+
+
+class PrivatizerState(NamedTuple):
+    """State of :func:`gaussian_privatizer`: the raw data of its secret key and the number of
+    releases made so far (release t draws its noise from ``fold_in(key, t)``)."""
+
+    key_data: jax.Array
+    count: jax.Array
+
+
+def gaussian_privatizer(key: jax.Array, *, noise_multiplier: float | jax.Array,
+                        sensitivity: float | Callable[[int], float],
+                        expected_batch_size: float) -> optax.GradientTransformation:
+    """The Gaussian release as an optax transformation: clipped sum in, noisy mean out.
+
+    ``update(grad_sum, state)`` returns :func:`privatize_sum` of ``grad_sum`` with the noise of
+    ``fold_in(key, state.count)`` and increments the count, so ``optax.chain(privatizer,
+    optax.adamw(schedule))`` is a private optimiser whose every ``update`` is one Gaussian
+    release. Feed it the *clipped sum* (:func:`pavejax.privacy.clipped_sum`), never a mean.
+
+    Args:
+      key: the secret noise key (use :func:`fresh_key`); it lives in the transformation's state
+        (as raw key data, so checkpoints can hold it) and never in a release.
+      noise_multiplier: z (may be a traced array inside a ``vmap``).
+      sensitivity: the add/remove sensitivity of the sum, or a function of the number of
+        leaves (per-layer clipping: ``C * sqrt(L)``).
+      expected_batch_size: the public normaliser.
+
+    :meth:`pavejax.privacy.DPConfig.privatizer` builds one from a config, whose
+    :meth:`~pavejax.privacy.DPConfig.step_event` is the event of each ``update``.
+    """
+    _check_noise_args(noise_multiplier, expected_batch_size)
+    impl = jax.random.key_impl(key)
+
+    def init(params):
+        del params
+        return PrivatizerState(jax.random.key_data(key), jnp.zeros((), jnp.int32))
+
+    def update(updates, state, params=None):
+        del params
+        sens = sensitivity(len(jax.tree.leaves(updates))) if callable(sensitivity) \
+            else sensitivity
+        k = jax.random.fold_in(jax.random.wrap_key_data(state.key_data, impl=impl), state.count)
+        out = privatize_sum(updates, k, noise_multiplier=noise_multiplier, sensitivity=sens,
+                            expected_batch_size=expected_batch_size)
+        return out, PrivatizerState(state.key_data, state.count + 1)
+
+    return optax.GradientTransformation(init, update)

@@ -15,9 +15,12 @@ e.g. +0.6% at q = 1.6e-5 and 6x at q = 2e-8), whereas a rate below q is covered 
 accounting for q (the privacy curve of a Poisson-subsampled mechanism is non-decreasing in q).
 The 64 bits are two uint32 words compared lexicographically, so no x64 mode is needed.
 
-Overflow policy (explicit): if more than ``max_batch`` examples are drawn, the step raises
-:class:`BatchOverflowError` instead of silently dropping examples (dropping would make the
-mechanism a truncated Poisson sample, which the Poisson accounting does not cover). The draw
+Overflow policy (explicit): if more than ``max_batch`` examples are drawn, the draw's
+``overflow`` flag is set and the step must not be released: :func:`check_step` (which every
+pavejax driver calls on each step's statistics) raises :class:`BatchOverflowError` instead of
+silently dropping examples (dropping would make the mechanism a truncated Poisson sample, which
+the Poisson accounting does not cover). The flag is an array, so sampling runs inside ``jit`` and
+``lax.scan``; the check happens on the host after the call, before anything is kept. The draw
 depends only on the key and the public n, never on data values, so the error reveals nothing
 about the data. The default ``max_batch`` makes an overflow less likely than ``1e-9`` per step
 (binomial tail), so a run of a million steps almost surely never sees one.
@@ -31,6 +34,7 @@ from __future__ import annotations
 import dataclasses
 import fractions
 import functools
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -42,6 +46,16 @@ _KINDS = ("poisson", "fixed", "full")
 
 class BatchOverflowError(RuntimeError):
     """A Poisson draw selected more examples than the padded batch holds."""
+
+
+class Draw(NamedTuple):
+    """One sampled batch: row ``indices`` (max_batch,) int32 into the data set, ``mask``
+    (max_batch,) bool marking the real rows, and ``overflow`` (bool scalar array): True when
+    a Poisson draw selected more than ``max_batch`` examples, so the step must be refused."""
+
+    indices: jax.Array
+    mask: jax.Array
+    overflow: jax.Array
 
 
 def max_batch_for(dataset_size: int, q: float, failure_prob: float = 1e-9) -> int:
@@ -99,24 +113,21 @@ class SamplingConfig:
         """The public normaliser of the noisy sum."""
         return float(self.batch_size)
 
-    def sample(self, key: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """Draws one batch: (indices (max_batch,) int32, mask (max_batch,) bool).
+    def sample(self, key: jax.Array) -> Draw:
+        """Draws one batch as a :class:`Draw` (pure and jittable; static shapes).
 
-        Raises :class:`BatchOverflowError` on a Poisson overflow (see module docstring).
+        A Poisson draw larger than ``max_batch`` sets ``overflow``; the caller must then refuse
+        the step (:func:`check_step` raises on it; see the module docstring).
         """
+        no = jnp.zeros((), bool)
         if self.kind == "full":
-            return jnp.arange(self.dataset_size, dtype=jnp.int32), jnp.ones(self.max_batch, bool)
+            return Draw(jnp.arange(self.dataset_size, dtype=jnp.int32),
+                        jnp.ones(self.max_batch, bool), no)
         if self.kind == "fixed":
             idx = jax.random.choice(key, self.dataset_size, (self.batch_size,), replace=False)
-            return idx.astype(jnp.int32), jnp.ones(self.batch_size, bool)
+            return Draw(idx.astype(jnp.int32), jnp.ones(self.batch_size, bool), no)
         idx, mask, count = poisson_indices(key, self.dataset_size, self.q, self.max_batch)
-        count = int(count)
-        if count > self.max_batch:
-            raise BatchOverflowError(
-                f"Poisson sampling drew {count} examples but max_batch is {self.max_batch}; "
-                "raise max_batch (see pavejax.privacy.max_batch_for) or lower the batch size. "
-                "Examples are never dropped silently because that would void the accounting.")
-        return idx, mask
+        return Draw(idx, mask, count > self.max_batch)
 
 
 def poisson_threshold(q: float) -> int:
@@ -158,6 +169,22 @@ def poisson_indices(key: jax.Array, dataset_size: int, q: float, max_batch: int)
     (idx,) = jnp.nonzero(chosen, size=max_batch, fill_value=0)
     mask = jnp.arange(max_batch) < count
     return idx.astype(jnp.int32), mask, count
+
+
+def pad_batch(batch: Any, mask: jax.Array, multiple: int) -> tuple[Any, jax.Array]:
+    """Pads the leading axis to a multiple of ``multiple`` with masked-out copies of the first
+    rows (mask False), so a batch splits evenly over the devices of a mesh. Padding rows never
+    contribute to a clipped sum."""
+    pad = (-mask.shape[0]) % int(multiple)
+    if not pad:
+        return batch, mask
+    if pad > mask.shape[0]:
+        reps = -(-pad // mask.shape[0])
+        filler = jax.tree.map(lambda x: jnp.concatenate([x] * reps)[:pad], batch)
+    else:
+        filler = jax.tree.map(lambda x: x[:pad], batch)
+    batch = jax.tree.map(lambda x, f: jnp.concatenate([x, f]), batch, filler)
+    return batch, jnp.concatenate([mask, jnp.zeros((pad,), bool)])
 
 
 def take_batch(data, indices: jax.Array):

@@ -45,11 +45,14 @@ def replicate(tree: PyTree, mesh: jax.sharding.Mesh) -> PyTree:
 
 def data_parallel_clipped_sum(loss_fn: LossFn, trainable: PyTree, frozen: PyTree, batch: PyTree,
                               mask: jax.Array, cfg: ClipConfig, mesh: jax.sharding.Mesh,
-                              axis: str = "data") -> ClipResult:
+                              axis: str = "data", *,
+                              microbatch_size: int | None = None) -> ClipResult:
     """:func:`~pavejax.privacy.clipped_sum` with the batch sharded over ``axis`` of ``mesh``.
 
     The batch size must be a multiple of the number of devices on ``axis`` (pad and mask). The
-    result equals the single-device clipped sum up to float summation order.
+    result equals the single-device clipped sum up to float summation order. Meshes with Auto
+    axes (:func:`data_mesh`) and with Explicit axes (``jax.make_mesh``'s default) both work;
+    with Explicit axes the inputs are resharded to the specs first.
     """
     n = mesh.shape[axis]
     bsz = jax.tree.leaves(batch)[0].shape[0]
@@ -58,11 +61,13 @@ def data_parallel_clipped_sum(loss_fn: LossFn, trainable: PyTree, frozen: PyTree
                          f"{axis!r}; pad the batch to a multiple of {n} and mask the padding.")
 
     def local(trainable, frozen, batch, mask):
-        trainable = jax.tree.map(lambda p: jax.lax.pcast(p, axis, to="varying"), trainable)
-        r = clipped_sum(loss_fn, trainable, frozen, batch, mask, cfg)
-        return ClipResult(jax.lax.psum(r.grad_sum, axis), r.losses, r.norms,
-                          jax.lax.psum(r.num_clipped, axis), jax.lax.psum(r.num_nonfinite, axis))
+        return clipped_sum(loss_fn, trainable, frozen, batch, mask, cfg,
+                           microbatch_size=microbatch_size, axis_name=axis)
 
+    if AxisType.Explicit in tuple(getattr(mesh, "axis_types", ())):
+        # Explicit axes: shard_map requires the inputs to carry the specs it is given.
+        trainable, frozen = jax.reshard((trainable, frozen), NamedSharding(mesh, P()))
+        batch, mask = jax.reshard((batch, mask), NamedSharding(mesh, P(axis)))
     specs_out = ClipResult(P(), P(axis), P(axis), P(), P())
     fn = jax.shard_map(local, mesh=mesh, in_specs=(P(), P(), P(axis), P(axis)),
                        out_specs=specs_out)
