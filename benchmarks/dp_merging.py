@@ -131,6 +131,7 @@ import optax
 from _common import emit, parse_args
 
 from pavejax import recipes
+from pavejax.accounting import Ledger, calibrate, dp_sam_step_event, run_event
 from pavejax.merging import diagnostics as dg, operators as ops, train as mt
 from pavejax.optim import promotion_safe
 from pavejax.privacy import take_batch
@@ -377,8 +378,14 @@ def noise_for(mode: str, eps: float, s: Settings) -> tuple[float, float]:
     q = s.batch / s.n_train
     # "random" and "reuse" release what DP-SGD ("none") releases: share its calibration.
     mode = "none" if mode in ("random", "reuse") else mode
-    sigma = mt.calibrate_mode_noise(eps, s.delta, mode=mode, q=q, steps=s.steps)
-    return sigma, mt.mode_epsilon(mode, sigma, q, s.steps, s.delta)
+
+    def run(z: float):
+        return run_event(dp_sam_step_event(mode, z, q=q), s.steps)
+
+    sigma = calibrate(run, eps, s.delta)
+    ledger = Ledger("add_remove", "rdp")
+    ledger.record(run(sigma))
+    return sigma, ledger.epsilon(s.delta)
 
 
 # ------------------------------------------------------------------ the experiment

@@ -23,7 +23,7 @@ from flax import nnx
 from tqdm.auto import tqdm
 
 from pavejax import lora, privacy
-from pavejax.accounting import Ledger, calibrate_noise
+from pavejax.accounting import Ledger, calibrate, gaussian_step_event, run_event
 from pavejax.optim import promotion_safe
 
 
@@ -35,7 +35,7 @@ class FinetuneConfig:
     seq_len: int = 48
     batch_size: int = 64
     steps: int = 60
-    epsilon: float = 4.0
+    target_epsilon: float = 4.0
     l2_clip: float = 1.0
     lora_rank: int = 8
     learning_rate: float = 2e-3
@@ -45,7 +45,7 @@ class FinetuneConfig:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     d = FinetuneConfig()
     p.add_argument("--task", default=d.task, help="sentiment domain (movie, amazon, nyt, tweets)")
-    p.add_argument("--epsilon", type=float, default=d.epsilon,
+    p.add_argument("--epsilon", type=float, default=d.target_epsilon,
                    help="privacy budget of the fine-tuning, at delta = 1/n^1.1 (n training "
                         "examples); smaller means more noise and stronger privacy")
     p.add_argument("--steps", type=int, default=d.steps, help="DP-SGD steps")
@@ -58,10 +58,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def _config(ns: argparse.Namespace) -> FinetuneConfig:
     if ns.full:
-        return FinetuneConfig(task=ns.task, epsilon=ns.epsilon, train_size=8192, test_size=2048,
-                          seq_len=64, steps=300)
-    return FinetuneConfig(task=ns.task, epsilon=ns.epsilon, steps=ns.steps,
-                      train_size=ns.train_size)
+        return FinetuneConfig(task=ns.task, target_epsilon=ns.epsilon, train_size=8192,
+                              test_size=2048, seq_len=64, steps=300)
+    return FinetuneConfig(task=ns.task, target_epsilon=ns.epsilon, steps=ns.steps,
+                          train_size=ns.train_size)
 
 
 def _encode(tok, split, n):
@@ -108,8 +108,8 @@ def run_finetune(cfg: FinetuneConfig, log=print) -> dict:
     delta = 1.0 / n ** 1.1
     sampling = privacy.SamplingConfig("poisson", dataset_size=n, batch_size=cfg.batch_size)
     # replace-one: the report states n (and q = b / n reveals it), so add/remove would not hold
-    sigma = calibrate_noise(cfg.epsilon, delta, q=sampling.q, steps=cfg.steps,
-                            relation="replace_one", accountant="pld")
+    sigma = calibrate(lambda z: run_event(gaussian_step_event(z, q=sampling.q), cfg.steps),
+                      cfg.target_epsilon, delta, relation="replace_one", accountant="pld")
     dp_cfg = privacy.DPConfig(cfg.l2_clip, sigma, sampling, relation="replace_one")
     dp_grad = privacy.DPGradient(example_loss, dp_cfg)
     trainable = {"B": B, "head": params["head"]}
@@ -119,7 +119,7 @@ def run_finetune(cfg: FinetuneConfig, log=print) -> dict:
     acc_before = accuracy(trainable)
     log(f"MiniLM + LoRA r={cfg.lora_rank} on '{cfg.task}': n={n} private examples, "
         f"{cfg.steps} DP-SGD steps, q={sampling.q:.4f}, sigma={sigma:.3f} "
-        f"(calibrated for epsilon={cfg.epsilon} at delta={delta:.2e})")
+        f"(calibrated for epsilon={cfg.target_epsilon} at delta={delta:.2e})")
     key = privacy.fresh_key()  # secret: a key derived from the public seed would be replayable
     update = jax.jit(lambda g, s, t: opt.update(g, s, t))
     for step in tqdm(range(cfg.steps), desc="DP fine-tuning", disable=None):

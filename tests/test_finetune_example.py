@@ -10,7 +10,7 @@ from pavejax.finetune_example import FinetuneConfig, run_finetune
 def test_finetune_small_run_reports_real_numbers():
     lines = []
     cfg = FinetuneConfig(train_size=64, test_size=64, seq_len=16, batch_size=16, steps=2,
-                     epsilon=4.0)
+                     target_epsilon=4.0)
     report = run_finetune(cfg, log=lines.append)
     assert report["train_examples"] == 64 and report["steps"] == 2
     assert 0.0 <= report["accuracy_before"] <= 1.0 and 0.0 <= report["accuracy_after"] <= 1.0

@@ -14,7 +14,7 @@ import pytest
 from dp_accounting import dp_event
 
 from pavejax import lora, privacy as pv
-from pavejax.accounting import Ledger
+from pavejax.accounting import Ledger, dp_sam_step_event
 from pavejax.audit import epsilon_lower_bound
 from pavejax.merging import train as mt
 from pavejax.optim import promotion_safe
@@ -29,12 +29,19 @@ def _rdp_eps(event):
     return acc.get_epsilon(DELTA)
 
 
+def _mode_epsilon(mode, z, q, k):
+    """Epsilon at DELTA of k steps in ``mode``, from a fresh add/remove RDP ledger."""
+    ledger = Ledger("add_remove", "rdp")
+    ledger.record(dp_sam_step_event(mode, z, q=q), count=k)
+    return ledger.epsilon(DELTA)
+
+
 # ------------------------------------------------------------------ accounting
 
 
 def test_same_mode_ledger_equals_dp_accounting_composed_event():
     q, z, k = 16 / 5000, 0.9, 3000
-    ours = mt.mode_epsilon("same", z, q, k, DELTA)
+    ours = _mode_epsilon("same", z, q, k)
     ref = _rdp_eps(dp_event.SelfComposedDpEvent(dp_event.PoissonSampledDpEvent(
         q, dp_event.ComposedDpEvent([dp_event.GaussianDpEvent(z), dp_event.GaussianDpEvent(z)])),
         k))
@@ -49,7 +56,7 @@ def test_same_mode_equals_subsampled_gaussian_with_sigma_over_sqrt2():
     q, z, k = 0.01, 1.1, 500
     direct = _rdp_eps(dp_event.SelfComposedDpEvent(
         dp_event.PoissonSampledDpEvent(q, dp_event.GaussianDpEvent(z / math.sqrt(2))), k))
-    assert mt.mode_epsilon("same", z, q, k, DELTA) == pytest.approx(direct, rel=1e-6)
+    assert _mode_epsilon("same", z, q, k) == pytest.approx(direct, rel=1e-6)
 
 
 @pytest.mark.parametrize("mode,count", [("fresh", 2), ("none", 1), ("reuse", 1),
@@ -58,12 +65,12 @@ def test_other_modes_accounting(mode, count):
     q, z, k = 0.01, 1.0, 400
     ref = _rdp_eps(dp_event.SelfComposedDpEvent(
         dp_event.PoissonSampledDpEvent(q, dp_event.GaussianDpEvent(z)), count * k))
-    assert mt.mode_epsilon(mode, z, q, k, DELTA) == pytest.approx(ref, rel=1e-9)
+    assert _mode_epsilon(mode, z, q, k) == pytest.approx(ref, rel=1e-9)
 
 
 def test_mode_ordering_at_fixed_noise():
-    args = (0.9, 16 / 2000, 1000, DELTA)
-    e = {m: mt.mode_epsilon(m, *args) for m in ("none", "fresh", "same")}
+    args = (0.9, 16 / 2000, 1000)
+    e = {m: _mode_epsilon(m, *args) for m in ("none", "fresh", "same")}
     assert e["none"] < e["fresh"] < e["same"]
 
 
@@ -72,10 +79,11 @@ def test_mode_ordering_at_fixed_noise():
 def test_calibration_is_tight_and_matches_reference_table(mode, reference):
     # Reference values (dp-accounting RDP, delta 1e-5, N = 5000, batch 16, 10 epochs, eps 4).
     q, k, target = 16 / 5000, int(10 * 5000 / 16), 4.0
-    z = mt.calibrate_mode_noise(target, DELTA, mode=mode, q=q, steps=k)
+    z = mt.MergeTrainConfig(dataset_size=5000, steps=k, batch_size=16, mode=mode,
+                            target_epsilon=target, delta=DELTA).resolved_noise_multiplier
     assert z == pytest.approx(reference, abs=0.01)
-    assert mt.mode_epsilon(mode, z, q, k, DELTA) <= target
-    assert mt.mode_epsilon(mode, z * 0.995, q, k, DELTA) > target
+    assert _mode_epsilon(mode, z, q, k) <= target
+    assert _mode_epsilon(mode, z * 0.998, q, k) > target
 
 
 def test_config_validation_messages():
@@ -205,7 +213,7 @@ def test_train_task_learns_records_ledger_and_anchor_bounds_drift(getkey):
     assert drift(tied.params) < 0.7 * drift(free.params)
     assert len(free.ledger) == 1 and free.ledger.entries[0].count == 30
     assert free.ledger.epsilon(DELTA) == pytest.approx(
-        mt.mode_epsilon("same", 0.5, 0.25, 30, DELTA), rel=1e-9)
+        _mode_epsilon("same", 0.5, 0.25, 30), rel=1e-9)
 
 
 def test_train_task_rejects_wrong_dataset_size():
@@ -280,7 +288,7 @@ def _broken_release(batch, mask, key):
 @functools.cache
 def _claimed(mode="same", accountant="rdp"):
     ledger = Ledger("add_remove", accountant=accountant)
-    ledger.record(mt.step_event(mode, SIGMA, 1.0))
+    ledger.record(dp_sam_step_event(mode, SIGMA, q=1.0))
     return ledger.epsilon(DELTA)
 
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from scipy import integrate, stats
 
-from pavejax.accounting import Ledger, dp_sgd_event
+from pavejax.accounting import Ledger, gaussian_step_event, run_event
 from pavejax.accounting.pac import (
     bernoulli_kl,
     biawgn_mi_upper_bound,
@@ -193,7 +193,7 @@ def test_calibration_errors():
 
 def test_ledger_holds_mi_next_to_dp_and_round_trips():
     ledger = Ledger("add_remove", "rdp")
-    ledger.record(dp_sgd_event(1.0, q=0.01, steps=10), label="dp")
+    ledger.record(run_event(gaussian_step_event(1.0, q=0.01), 10), label="dp")
     ledger.record_mi(0.1, label="pac")
     ledger.record_mi(0.0, count=5, label="zpl")
     ledger.record_mi(1 / 3, count=2, label="pac")
@@ -211,7 +211,7 @@ def test_ledger_holds_mi_next_to_dp_and_round_trips():
 
 def test_dp_only_ledger_json_is_unchanged():
     ledger = Ledger("add_remove", "rdp")
-    ledger.record(dp_sgd_event(1.0, q=0.01, steps=10))
+    ledger.record(run_event(gaussian_step_event(1.0, q=0.01), 10))
     assert "mi_entries" not in json.loads(ledger.to_json())
 
 

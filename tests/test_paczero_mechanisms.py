@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 from scipy import stats
 
+from pavejax.accounting import dpzo_step_event
 from pavejax.accounting.pac import biawgn_mi_upper_bound, calibrate_biawgn_sigma
 from pavejax.paczero import (
     dpzo_release,
-    dpzo_step_event,
     draw_secret,
     init_mechanism_state,
     membership_matrix,

@@ -16,7 +16,7 @@ import pytest
 from dp_accounting import dp_event
 from scipy import stats
 
-from pavejax.accounting import BudgetExceededError, Ledger
+from pavejax.accounting import BudgetExceededError, Ledger, dpzo_step_event
 from pavejax.checkpointing import LedgerRollbackError, RunMismatchError, TrainCheckpointer
 from pavejax.paczero import (
     ZOConfig,
@@ -313,8 +313,8 @@ def test_checkpoints_accounted_add_remove(tmp_path, monkeypatch):
         for e in real(self, config, pool_size, **kw).mi_entries:
             led.record_mi(e.nats, count=e.count, label=e.label)
         if config.mechanism == "dpzo" and self.step:
-            led.record(mech.dpzo_step_event(self.noise_multiplier, q=8 / N,
-                                            num_directions=K), count=self.step)
+            led.record(dpzo_step_event(self.noise_multiplier, q=8 / N,
+                                       num_directions=K), count=self.step)
         return led
 
     real = ZOState.ledger

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 from scipy import optimize, stats
 
-from pavejax.accounting import calibrate_noise
+from pavejax.accounting import calibrate, gaussian_step_event
 from pavejax.accounting.pac import dp_mia_success_bound
 from pavejax.accounting.risk import (
     amplification_bound,
@@ -103,7 +103,7 @@ def test_tv_bound_never_exceeds_disclosure_bound(eps, delta, bump):
 @pytest.mark.parametrize("eps", [0.5, 1.0, 2.0, 4.0])
 def test_gaussian_mechanism_tv_is_below_the_bound(eps):
     delta = 1e-5
-    for sigma in (calibrate_noise(eps, delta, q=1.0, steps=1),  # RDP calibration (looser)
+    for sigma in (calibrate(gaussian_step_event, eps, delta),  # RDP calibration (looser)
                   _analytic_gaussian_sigma(eps, delta)):        # exact calibration
         assert sigma > 0
         tv = 2 * stats.norm.cdf(1 / (2 * sigma)) - 1  # TV(N(0, σ²), N(1, σ²))

@@ -1,20 +1,25 @@
 """Privacy accounting: a ledger of dp-accounting events (and PAC mutual-information charges),
-event builders, noise calibration, PAC-Privacy bounds (:mod:`pavejax.accounting.pac`), the
+the event builders of every mechanism (:mod:`pavejax.accounting.events`), one noise calibrator
+(:func:`calibrate`), PAC-Privacy bounds (:mod:`pavejax.accounting.pac`), the
 intrinsic Gaussian-sketch guarantee of compact PAVE (:mod:`pavejax.accounting.sketch`) and
 disclosure/amplification risk bounds (:mod:`pavejax.accounting.risk`)."""
 
 from pavejax.accounting import pac, risk, sketch
 from pavejax.accounting._json import event_from_json, event_to_json
+from pavejax.accounting.calibration import calibrate, calibrate_steps
+from pavejax.accounting.events import (
+    DP_SAM_MODES,
+    dp_sam_step_event,
+    dpzo_step_event,
+    gaussian_step_event,
+    run_event,
+)
 from pavejax.accounting.ledger import (
     BudgetExceededError,
     Ledger,
     LedgerEntry,
     MIEntry,
     Relation,
-    calibrate_noise,
-    calibrate_steps,
-    dp_sgd_event,
-    gaussian_step_event,
 )
 from pavejax.accounting.risk import (
     amplification_bound,
@@ -40,12 +45,15 @@ __all__ = [
     "LedgerEntry",
     "MIEntry",
     "Relation",
-    "calibrate_noise",
+    "DP_SAM_MODES",
+    "calibrate",
     "calibrate_steps",
-    "dp_sgd_event",
+    "dp_sam_step_event",
+    "dpzo_step_event",
     "event_from_json",
     "event_to_json",
     "gaussian_step_event",
+    "run_event",
     "pac",
     "risk",
     "sketch",

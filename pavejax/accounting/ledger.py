@@ -15,13 +15,11 @@ All numbers here are host-side Python floats (float64); nothing in this module t
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import enum
 import json
-import logging
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from numbers import Integral, Real
 from typing import Any
 
@@ -30,10 +28,7 @@ from dp_accounting import dp_event
 
 from pavejax.accounting._json import event_from_dict, event_to_dict
 
-__all__ = [
-    "BudgetExceededError", "Ledger", "LedgerEntry", "MIEntry", "Relation", "calibrate_noise",
-    "calibrate_steps", "dp_sgd_event", "gaussian_step_event",
-]
+__all__ = ["BudgetExceededError", "Ledger", "LedgerEntry", "MIEntry", "Relation"]
 
 _ACCOUNTANTS = ("pld", "rdp")
 _FORMAT, _VERSION = "pavejax.ledger", 1
@@ -275,8 +270,10 @@ class Ledger:
     ``len(ledger)`` and ``entries`` count the DP events only; ``mi_entries`` lists the charges.
 
     Example:
+        >>> from pavejax.accounting import gaussian_step_event, run_event
         >>> ledger = Ledger("add_remove", "rdp")
-        >>> _ = ledger.record(dp_sgd_event(1.0, q=256 / 50_000, steps=2_000), label="model")
+        >>> step = gaussian_step_event(1.0, q=256 / 50_000)
+        >>> _ = ledger.record(run_event(step, 2_000), label="model")
         >>> round(ledger.epsilon(1e-5), 2)
         1.49
     """
@@ -479,260 +476,3 @@ class Ledger:
         except (json.JSONDecodeError, TypeError) as err:
             raise ValueError(f"ledger JSON could not be parsed: {err}") from err
         return cls.from_dict(obj)
-
-
-# ---------------------------------------------------------------- event builders
-
-
-def _sampling_rate(q: float | None, sampling: str, dataset_size: int | None,
-                   batch_size: int | None) -> float:
-    if sampling not in ("poisson", "fixed"):
-        raise ValueError(f"unknown sampling {sampling!r}; use 'poisson' or 'fixed'")
-    if dataset_size is not None or batch_size is not None:
-        n = _check_count("dataset_size", dataset_size)
-        m = _check_count("batch_size", batch_size)
-        if m > n:
-            raise ValueError(f"batch_size ({m}) must not exceed dataset_size ({n})")
-        if q is not None and not math.isclose(_check_real("q", q), m / n, rel_tol=1e-9):
-            raise ValueError(f"q={q!r} disagrees with batch_size/dataset_size = {m}/{n}; pass "
-                             "q=batch_size/dataset_size or leave q unset")
-        q = m / n
-    elif sampling == "fixed":
-        raise ValueError("sampling='fixed' needs dataset_size and batch_size (both integers)")
-    q = 1.0 if q is None else _check_real("q", q)
-    if not 0.0 < q <= 1.0:
-        raise ValueError(f"q (sampling probability) must be in (0, 1], got {q!r}; use q=1 for "
-                         "full-batch steps")
-    return q
-
-
-def gaussian_step_event(noise_multiplier: float, *, q: float | None = None,
-                        sampling: str = "poisson", dataset_size: int | None = None,
-                        batch_size: int | None = None) -> dp_event.DpEvent:
-    """Event of one Gaussian step with noise std ``noise_multiplier * C`` (C = clip norm).
-
-    ``q`` is the sampling rate; by default it is ``batch_size / dataset_size`` when both are given
-    and 1 otherwise. q = 1 means a full batch: a bare ``GaussianDpEvent``. Otherwise
-    ``sampling="poisson"`` gives ``PoissonSampledDpEvent`` and ``sampling="fixed"`` (needs
-    ``dataset_size`` and ``batch_size``) gives ``SampledWithoutReplacementDpEvent``.
-    ``noise_multiplier == 0`` is a non-private step (``NonPrivateDpEvent``, ε = inf).
-    """
-    s = _check_real("noise_multiplier", noise_multiplier)
-    if s < 0.0:
-        raise ValueError(f"noise_multiplier must be >= 0 (noise std / clip norm), got {s!r}")
-    q = _sampling_rate(q, sampling, dataset_size, batch_size)
-    if s == 0.0:
-        return dp_event.NonPrivateDpEvent()
-    step = dp_event.GaussianDpEvent(s)
-    if q == 1.0:
-        return step
-    if sampling == "poisson":
-        return dp_event.PoissonSampledDpEvent(q, step)
-    return dp_event.SampledWithoutReplacementDpEvent(int(dataset_size), int(batch_size), step)
-
-
-def dp_sgd_event(noise_multiplier: float, *, steps: int, q: float | None = None,
-                 sampling: str = "poisson", dataset_size: int | None = None,
-                 batch_size: int | None = None) -> dp_event.DpEvent:
-    """``steps`` repetitions of `gaussian_step_event` (a ``SelfComposedDpEvent``)."""
-    steps = _check_count("steps", steps)
-    step = gaussian_step_event(noise_multiplier, q=q, sampling=sampling,
-                               dataset_size=dataset_size, batch_size=batch_size)
-    return dp_event.SelfComposedDpEvent(step, steps)
-
-
-# ---------------------------------------------------------------- calibration
-
-
-@contextlib.contextmanager
-def _quiet_rdp_warnings():
-    """The bracket search probes tiny noise levels where RDP's series does not converge; those
-    orders are dropped (the bound stays valid), and the warnings would only alarm the user."""
-    logger = logging.getLogger("absl")
-    level = logger.level
-    logger.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        logger.setLevel(level)
-
-
-def _calibration_setup(target_epsilon: float, delta: float, relation: Any, accountant: str,
-                       pld_discretization: float) -> tuple[Relation, Callable[[], Any]]:
-    _check_epsilon("target_epsilon", target_epsilon)
-    _check_delta(delta)
-    rel, name = Relation.parse(relation), _check_accountant(accountant)
-    disc = _check_epsilon("pld_discretization", pld_discretization)
-    return rel, lambda: _fresh_accountant(name, rel, disc)
-
-
-def calibrate_noise(target_epsilon: float, delta: float, *, q: float | None = None,
-                    steps: int, sampling: str = "poisson", relation: Any = "add_remove",
-                    accountant: str = "rdp", dataset_size: int | None = None,
-                    batch_size: int | None = None, pld_discretization: float = 1e-4) -> float:
-    """Smallest noise multiplier (std / C) whose `dp_sgd_event` meets (target_epsilon, delta).
-
-    The result is within 1e-6 of the optimum and never exceeds the target under the chosen
-    accountant (same translation rules as `Ledger`). PLD is tighter but slower than RDP; under
-    PLD, full batches (q = 1) start from the exact Gaussian mechanism and need one to three PLD
-    evaluations at the usual deltas (more at tiny deltas), and subsampled steps search a narrow
-    bracket below the same calibration on a coarse 1e-3 grid (which is itself seeded by RDP
-    where RDP can analyse the event).
-    """
-    rel, fresh = _calibration_setup(target_epsilon, delta, relation, accountant,
-                                    pld_discretization)
-
-    def make_event(s: float) -> dp_event.DpEvent:
-        ev = dp_sgd_event(s, steps=steps, q=q, sampling=sampling, dataset_size=dataset_size,
-                          batch_size=batch_size)
-        return _for_accountant(ev, rel, accountant)
-
-    _ensure_supported(fresh(), make_event(1.0))  # fail fast, with a clear message
-    bracket = None
-    if accountant == "pld":
-        exact = _full_batch_gaussian_sigma(target_epsilon, delta, q=q, steps=steps,
-                                           sampling=sampling, relation=rel,
-                                           dataset_size=dataset_size, batch_size=batch_size)
-        if exact is not None:
-            # PLD (pessimistic) never reports less than the exact epsilon, so the PLD optimum
-            # is >= `exact`: the first of these that meets the target is within 5e-7 of it.
-            for step in (1e-9, 1e-7, 5e-7):
-                acc = fresh()
-                _compose(acc, make_event(exact + step), 1)
-                if acc.get_epsilon(delta) <= target_epsilon:
-                    return float(exact + step)
-        if exact is None and pld_discretization < _COARSE_PLD:
-            bracket = _coarse_pld_bracket(target_epsilon, delta, q=q, steps=steps,
-                                          sampling=sampling, relation=rel,
-                                          dataset_size=dataset_size, batch_size=batch_size)
-            if bracket is not None:
-                # the coarse answer is usually already the fine optimum to 1e-6: two checks
-                hi = float(bracket.endpoint_2)
-
-                def meets(s: float) -> bool:
-                    acc = fresh()
-                    _compose(acc, make_event(s), 1)
-                    return acc.get_epsilon(delta) <= target_epsilon
-
-                if meets(hi) and not meets(hi - 1e-6):
-                    return hi
-        else:
-            bracket = _pld_bracket(target_epsilon, delta, exact, q=q, steps=steps,
-                                   sampling=sampling, relation=rel, dataset_size=dataset_size,
-                                   batch_size=batch_size)
-    with _quiet_rdp_warnings():
-        if bracket is not None:
-            try:
-                return float(dpa.calibrate_dp_mechanism(fresh, make_event, float(target_epsilon),
-                                                        float(delta), bracket_interval=bracket))
-            except ValueError:
-                pass  # the guess did not bracket the root: search from scratch
-        return float(dpa.calibrate_dp_mechanism(fresh, make_event, float(target_epsilon),
-                                                float(delta)))
-
-
-def _gaussian_delta(epsilon: float, mu: float) -> float:
-    """Exact delta(epsilon) of a Gaussian mechanism with sensitivity / std = ``mu``."""
-    from scipy.stats import norm
-
-    return float(norm.cdf(mu / 2 - epsilon / mu)
-                 - math.exp(epsilon) * norm.cdf(-mu / 2 - epsilon / mu))
-
-
-def _full_batch_gaussian_sigma(target_epsilon: float, delta: float, *, q, steps, sampling,
-                               relation: Relation, dataset_size, batch_size) -> float | None:
-    """For full batches (q = 1): the noise multiplier at which T Gaussian steps (one Gaussian
-    with mu = sensitivity sqrt(T) / sigma) have exactly (target_epsilon, delta); else None."""
-    from scipy import optimize
-
-    if _sampling_rate(q, sampling, dataset_size, batch_size) != 1.0:
-        return None
-    sens = (2.0 if relation is Relation.REPLACE_ONE else 1.0) * math.sqrt(steps)
-
-    def gap(s: float) -> float:
-        return _gaussian_delta(target_epsilon, sens / s) - delta
-
-    hi = 1.0
-    while gap(hi) > 0:
-        hi *= 2.0
-        if hi > 1e12:
-            return None
-    lo = hi / 2.0
-    while gap(lo) <= 0:
-        lo /= 2.0
-        if lo < 1e-12:
-            return None
-    return float(optimize.brentq(gap, lo, hi, xtol=1e-13, rtol=1e-14))
-
-
-_COARSE_PLD = 1e-3
-
-
-def _coarse_pld_bracket(target_epsilon: float, delta: float, *, q, steps, sampling,
-                        relation: Relation, dataset_size, batch_size) -> Any:
-    """A narrow interval for a subsampled PLD calibration, from the same calibration on a
-    coarse (1e-3) grid. PLD's pessimistic discretisation only overstates epsilon, more so on a
-    coarser grid, so the coarse sigma is an upper end; the fine optimum lies within a few per
-    cent below it. A coarse solve costs a tenth of a fine one, and the fine search then needs a
-    few evaluations instead of a search from scratch (the slow part at small noise, where RDP
-    cannot seed the bracket, e.g. Poisson sampling under replace-one)."""
-    from dp_accounting import mechanism_calibration as mc
-
-    try:
-        hi = calibrate_noise(target_epsilon, delta, q=q, steps=steps, sampling=sampling,
-                             relation=relation, accountant="pld", dataset_size=dataset_size,
-                             batch_size=batch_size, pld_discretization=_COARSE_PLD)
-    except (ValueError, ArithmeticError):
-        return None
-    return mc.ExplicitBracketInterval(0.95 * hi, hi * (1.0 + 1e-9))
-
-
-def _pld_bracket(target_epsilon: float, delta: float, exact: float | None, *, q, steps, sampling,
-                 relation: Relation, dataset_size, batch_size) -> Any:
-    """A narrow interval around the PLD-calibrated noise multiplier, so that Brent's method
-    needs fewer PLD evaluations than a search from 0 (each evaluation at small noise is the slow
-    part). Upper end: the RDP calibration (cheap; RDP needs at least as much noise). Lower end:
-    for full batches ``exact``, the exact Gaussian mechanism's sigma (PLD, pessimistic, needs a
-    little more noise); with subsampling (``exact`` None), half the RDP value. ``None`` when no
-    guess can be made; a guess that fails to bracket makes the caller search from scratch."""
-    from dp_accounting import mechanism_calibration as mc
-
-    try:
-        hi = calibrate_noise(target_epsilon, delta, q=q, steps=steps, sampling=sampling,
-                             relation=relation, accountant="rdp", dataset_size=dataset_size,
-                             batch_size=batch_size)
-    except (ValueError, ArithmeticError):
-        return None
-    if exact is not None:
-        return mc.ExplicitBracketInterval(exact * (1.0 - 1e-7), min(hi, exact * (1.0 + 1e-3)))
-    return mc.ExplicitBracketInterval(0.5 * hi, hi)
-
-
-def calibrate_steps(target_epsilon: float, delta: float, *, noise_multiplier: float,
-                    q: float | None = None, sampling: str = "poisson",
-                    relation: Any = "add_remove", accountant: str = "rdp",
-                    dataset_size: int | None = None, batch_size: int | None = None,
-                    pld_discretization: float = 1e-4, max_steps: int = 2**30) -> int:
-    """Largest number of steps (0 if none) whose `dp_sgd_event` meets (target_epsilon, delta)."""
-    rel, fresh = _calibration_setup(target_epsilon, delta, relation, accountant,
-                                    pld_discretization)
-
-    def eps(n: int) -> float:
-        ev = dp_sgd_event(noise_multiplier, steps=n, q=q, sampling=sampling,
-                          dataset_size=dataset_size, batch_size=batch_size)
-        acc = fresh()
-        _compose(acc, _for_accountant(ev, rel, accountant), 1)
-        return acc.get_epsilon(delta)
-
-    max_steps = _check_count("max_steps", max_steps)
-    if eps(1) > target_epsilon:
-        return 0
-    lo, hi = 1, min(2, max_steps)  # invariant: eps(lo) <= target; double, then bisect
-    while eps(hi) <= target_epsilon:
-        if hi == max_steps:
-            return max_steps
-        lo, hi = hi, min(2 * hi, max_steps)
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if eps(mid) <= target_epsilon else (lo, mid)
-    return lo

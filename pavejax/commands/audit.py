@@ -74,14 +74,16 @@ def audit_dp_sgd(epsilon: float, delta: float, *, relation: str, trials: int, st
     """Dirac-canary game on ``steps`` full-batch noisy gradients (clip 1, 8 examples)."""
     import jax
 
-    from pavejax.accounting import Ledger, calibrate_noise
+    from pavejax.accounting import Ledger, calibrate, run_event
     from pavejax.audit import dirac_whitebox_scores, evaluate_game
     from pavejax.privacy import DPConfig, SamplingConfig
 
-    sigma = calibrate_noise(epsilon, delta, q=1.0, steps=steps, relation=relation,
-                            accountant="pld")
-    event = DPConfig(1.0, sigma, SamplingConfig("full", dataset_size=_DIRAC_EXAMPLES)) \
-        .step_event()
+    def step_event(z: float):
+        return DPConfig(1.0, z, SamplingConfig("full", dataset_size=_DIRAC_EXAMPLES)).step_event()
+
+    sigma = calibrate(lambda z: run_event(step_event(z), steps), epsilon, delta,
+                      relation=relation, accountant="pld")
+    event = step_event(sigma)
     ledger = Ledger(relation, "pld")
     ledger.record(event, count=steps, label="audited")
     claimed = ledger.epsilon(delta)

@@ -36,8 +36,8 @@ from pavejax.merging.spectral import tsv_m as tsv_m
 
 # Names re-exported from pavejax.merging.train, imported on first access (PEP 562).
 _TRAIN_NAMES = frozenset({
-    "MODES", "MergeTrainConfig", "TrainResult", "TrainState", "calibrate_mode_noise",
-    "dp_sam_step", "init_state", "mode_epsilon", "run_event", "step_event", "train_task",
+    "MODES", "MergeTrainConfig", "TrainResult", "TrainState", "dp_sam_step", "init_state",
+    "train_task",
 })
 
 

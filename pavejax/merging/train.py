@@ -24,13 +24,15 @@ each mode: its ascent, then the event of one run):
 
 Formal guarantee:
   The released parameters after K steps are post-processing of the listed Gaussian queries, so
-  the run satisfies the DP guarantee of :func:`run_event` (noise multiplier relative to the
-  add/remove sensitivity C; a :class:`pavejax.accounting.Ledger` doubles it for replace-one).
+  the run satisfies the DP guarantee of :meth:`MergeTrainConfig.run_event` (noise multiplier
+  relative to the add/remove sensitivity C; a :class:`pavejax.accounting.Ledger` doubles it for
+  replace-one).
 
 Sharp edges:
   * In "same" mode one Poisson draw decides whether an example is in *both* queries; counting
     it as 2K independent subsampled Gaussians (as a per-query accountant call does) under-counts
-    epsilon by a large factor. :func:`step_event` returns the composed event for this reason.
+    epsilon by a large factor. :func:`pavejax.accounting.dp_sam_step_event` returns the
+    composed event for this reason.
   * Normalisation is by the expected batch size q N, never the realised one.
   * The anchor and the weight decay see only parameters, never data: they cost no privacy.
 """
@@ -39,7 +41,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import logging
 import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -47,10 +48,15 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import optax
-import scipy.optimize
 from dp_accounting import dp_event
 
-from pavejax.accounting import Ledger
+from pavejax.accounting import (
+    DP_SAM_MODES,
+    Ledger,
+    calibrate,
+    dp_sam_step_event,
+    run_event,
+)
 from pavejax.checkpointing import (
     Checkpoint,
     TrainCheckpointer,
@@ -77,7 +83,7 @@ from pavejax.privacy import (
 
 PyTree = Any
 LossFn = Callable[[PyTree, PyTree, PyTree], jax.Array]
-MODES = ("none", "fresh", "same", "reuse", "random")
+MODES = DP_SAM_MODES
 _OPTIMIZERS = ("adamw", "sgd")
 _TINY = 1e-12
 
@@ -190,93 +196,24 @@ class MergeTrainConfig:
             return float(self.noise_multiplier)
         if math.isinf(self.target_epsilon):
             return 0.0
-        return calibrate_mode_noise(self.target_epsilon, self.delta, mode=self.mode, q=self.q,
-                                    steps=self.steps, relation=self.relation,
-                                    accountant=self.accountant)
+        return calibrate(self.run_event, self.target_epsilon, self.delta,
+                         relation=self.relation, accountant=self.accountant)
+
+    def step_event(self, noise_multiplier: float | None = None) -> dp_event.DpEvent:
+        """The ``DpEvent`` of one step (:func:`pavejax.accounting.dp_sam_step_event` in this
+        mode at rate q) at ``noise_multiplier`` (default: `resolved_noise_multiplier`)."""
+        z = self.resolved_noise_multiplier if noise_multiplier is None else noise_multiplier
+        return dp_sam_step_event(self.mode, z, q=self.q)
+
+    def run_event(self, noise_multiplier: float | None = None) -> dp_event.DpEvent:
+        """The ``DpEvent`` of the whole run of ``steps`` steps (what `calibrate` solves)."""
+        return run_event(self.step_event(noise_multiplier), self.steps)
 
     def dp_config(self) -> DPConfig:
         """The per-query :class:`DPConfig` (Poisson sampling at rate q)."""
         return DPConfig(self.l2_clip, self.resolved_noise_multiplier,
                         SamplingConfig("poisson", self.dataset_size, self.batch_size),
                         relation=self.relation)
-
-
-def step_event(mode: str, noise_multiplier: float, q: float) -> dp_event.DpEvent:
-    """The ``DpEvent`` of one step in ``mode`` (z relative to the add/remove sensitivity)."""
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {MODES}, got {mode!r}.")
-    if not 0 < q <= 1:
-        raise ValueError(f"q must be in (0, 1], got {q!r}.")
-    if noise_multiplier == 0:
-        return dp_event.NonPrivateDpEvent()
-    g = dp_event.GaussianDpEvent(float(noise_multiplier))
-    if mode == "same":
-        inner = dp_event.ComposedDpEvent([g, g])
-        return inner if q == 1 else dp_event.PoissonSampledDpEvent(q, inner)
-    one = g if q == 1 else dp_event.PoissonSampledDpEvent(q, g)
-    return dp_event.SelfComposedDpEvent(one, 2) if mode == "fresh" else one
-
-
-def run_event(mode: str, noise_multiplier: float, q: float, steps: int) -> dp_event.DpEvent:
-    """The ``DpEvent`` of a whole run of ``steps`` steps (see the module table)."""
-    return dp_event.SelfComposedDpEvent(step_event(mode, noise_multiplier, q), int(steps))
-
-
-def mode_epsilon(mode: str, noise_multiplier: float, q: float, steps: int, delta: float, *,
-                 relation: str = "add_remove", accountant: str = "rdp") -> float:
-    """Epsilon at ``delta`` of a run, from a fresh :class:`Ledger`."""
-    ledger = Ledger(relation, accountant=accountant)
-    ledger.record(step_event(mode, noise_multiplier, q), count=int(steps))
-    return ledger.epsilon(delta)
-
-
-@functools.lru_cache(maxsize=256)
-def calibrate_mode_noise(target_epsilon: float, delta: float, *, mode: str, q: float,
-                         steps: int, relation: str = "add_remove",
-                         accountant: str = "rdp") -> float:
-    """Smallest z (to relative 1e-3) whose run event in ``mode`` meets (target_epsilon, delta).
-
-    The returned z never exceeds the budget under the chosen accountant: the root of
-    ``log eps(z) = log target`` is found by Brent's method (few accountant calls, each of
-    which is slow for short runs) and then nudged up until it is feasible.
-    """
-    if not target_epsilon > 0 or math.isinf(target_epsilon):
-        raise ValueError(f"target_epsilon must be finite and > 0, got {target_epsilon!r}.")
-    memo: dict[float, float] = {}
-
-    def eps(z: float) -> float:
-        if z not in memo:
-            # Tiny z makes RDP's fractional-order series diverge; those orders are dropped
-            # (the bound stays valid) and the library's warnings would only alarm the user.
-            logger = logging.getLogger("absl")
-            level = logger.level
-            logger.setLevel(logging.ERROR)
-            try:
-                memo[z] = mode_epsilon(mode, z, q, steps, delta, relation=relation,
-                                       accountant=accountant)
-            finally:
-                logger.setLevel(level)
-        return memo[z]
-
-    lo, hi = 0.05, 1.0
-    while eps(hi) > target_epsilon:
-        lo, hi = hi, 2 * hi
-        if hi > 1e4:
-            raise ValueError(f"no noise multiplier <= 1e4 reaches epsilon={target_epsilon}; "
-                             "raise the budget or lower the number of steps.")
-    if eps(lo) <= target_epsilon:
-        return lo
-    log_t = math.log(target_epsilon)
-
-    def gap(log_z: float) -> float:
-        # eps may be inf (tiny z) or 0 (huge z) at a bracket end: clamp so the log is finite.
-        return math.log(min(max(eps(math.exp(log_z)), 1e-300), 1e300)) - log_t
-
-    root = scipy.optimize.brentq(gap, math.log(lo), math.log(hi), xtol=1e-4, rtol=1e-6)
-    z = min(math.exp(root) * (1 + 2e-4), hi)
-    while eps(z) > target_epsilon:
-        z = min(z * (1 + 2e-4), hi)
-    return z
 
 
 # ------------------------------------------------------------------ pure pieces of a step
@@ -377,7 +314,7 @@ def dp_sam_step(loss_fn: LossFn, cfg: MergeTrainConfig, state: TrainState, froze
     otherwise). ``anchor_params`` is w0 (same structure as ``state.params``).
     ``noise_multiplier`` overrides ``cfg.resolved_noise_multiplier`` with a traced multiplier
     (one compilation for several budgets); the caller must then account with
-    ``step_event(cfg.mode, noise_multiplier, cfg.q)`` itself.
+    ``cfg.step_event(noise_multiplier)`` itself.
     ``anchor`` likewise overrides ``cfg.anchor`` with a traced lambda (it costs no privacy).
     ``lr_scale`` multiplies the optimiser's update (a traced learning-rate factor: with
     ``cfg.learning_rate = 1`` it is the learning rate, so a vmapped sweep compiles once).
@@ -465,7 +402,7 @@ def train_task(loss_fn: LossFn, params: PyTree, frozen: PyTree, data: PyTree, ke
 
     ``params`` may be full weights or LoRA factors (any pytree the loss differentiates).
     ``anchor_params`` defaults to the initial ``params`` (w0). The returned ledger holds
-    :func:`step_event` times ``cfg.steps`` (label ``"dp-merging/<mode>"``), so
+    ``cfg.step_event()`` times ``cfg.steps`` (label ``"dp-merging/<mode>"``), so
     ``result.ledger.epsilon(cfg.delta)`` is the run's guarantee. Raises ``ValueError`` if a
     real example produced a non-finite loss or gradient.
 
@@ -485,7 +422,7 @@ def train_task(loss_fn: LossFn, params: PyTree, frozen: PyTree, data: PyTree, ke
     sampling = cfg.dp_config().sampling
     step = _compiled_step(loss_fn, _shape_config(cfg), mesh)
     z, anchor = jnp.float32(cfg.resolved_noise_multiplier), jnp.float32(cfg.anchor)
-    event = step_event(cfg.mode, cfg.resolved_noise_multiplier, cfg.q)
+    event = cfg.step_event()
     multiple = 1 if mesh is None else mesh.size
     state, losses, start, run, budget = init_state(params, cfg), [], 0, None, None
     if checkpointer is not None:

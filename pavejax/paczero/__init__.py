@@ -12,7 +12,6 @@ from pavejax.paczero.mechanisms import (
     MechanismState,
     Release,
     dpzo_release,
-    dpzo_step_event,
     init_mechanism_state,
     mezo_release,
     mi_release,
@@ -53,7 +52,7 @@ from pavejax.paczero.train import (
 __all__ = [
     "KINDS", "DeviceFunctions", "MechanismState", "Release", "ZOConfig", "ZOState",
     "apply_directions", "clip_differences", "device_functions", "direction", "direction_keys",
-    "dpzo_release", "dpzo_step_event", "draw_secret", "init_mechanism_state", "init_state",
+    "dpzo_release", "draw_secret", "init_mechanism_state", "init_state",
     "learning_rate", "membership_matrix", "mezo_release", "mi_release", "mirror_point",
     "per_example_losses", "per_step_budget", "perturbed", "positive_mass", "restore_state",
     "save_state", "subset_means", "subset_signs", "train", "two_point_differences", "unanimous",

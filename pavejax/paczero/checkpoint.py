@@ -44,7 +44,8 @@ from pavejax.checkpointing import (
     run_record,
     tree_fingerprint,
 )
-from pavejax.paczero.mechanisms import MechanismState, dpzo_step_event
+from pavejax.accounting import dpzo_step_event
+from pavejax.paczero.mechanisms import MechanismState
 
 if TYPE_CHECKING:
     from pavejax.paczero.train import ZOConfig, ZOState

@@ -14,7 +14,7 @@ Guarantees:
 * **DP-ZO** (``"dpzo"``): (ε, δ)-DP under replace-one neighbouring (data sets of the same,
   public size N that differ in one example), accounted with PLD. Y = (Σ_{i∈batch} clip(ĝ_i)
   + N(0, (σC)²)) / b with Poisson sampling at rate b/N; with K directions the per-example vector
-  has L2 norm <= C√K, so one step is the Gaussian event of multiplier σ/√K (`dpzo_step_event`,
+  has L2 norm <= C√K, so one step is the Gaussian event of multiplier σ/√K (`pavejax.accounting.dpzo_step_event`,
   in the add/remove-sensitivity convention of `pavejax.accounting`: a replace-one ledger doubles
   the sensitivity to 2C√K itself).
 * **PACZero-ZPL** (``"zpl"``): I(S*; Y_1:T) = 0. Unanimous signs are released as is; otherwise Y
@@ -35,10 +35,8 @@ import math
 from typing import Any
 
 import numpy as np
-from dp_accounting import dp_event
 from scipy import special
 
-from pavejax.accounting import gaussian_step_event
 from pavejax.accounting.pac import (
     biawgn_mi_upper_bound,
     binary_entropy,
@@ -46,8 +44,7 @@ from pavejax.accounting.pac import (
 )
 
 __all__ = [
-    "KINDS", "MechanismState", "Release", "dpzo_release", "dpzo_step_event",
-    "init_mechanism_state", "mezo_release", "mi_release", "per_step_budget", "positive_mass",
+    "KINDS", "MechanismState", "Release", "dpzo_release", "init_mechanism_state", "mezo_release", "mi_release", "per_step_budget", "positive_mass",
     "zpl_release",
 ]
 
@@ -210,10 +207,3 @@ def dpzo_release(clipped_sum: float, rng: np.random.Generator, *, noise_multipli
     noise = noise_multiplier * l2_clip * float(rng.standard_normal())
     return Release((float(clipped_sum) + noise) / expected_batch_size,
                    sigma=noise_multiplier * l2_clip / expected_batch_size)
-
-
-def dpzo_step_event(noise_multiplier: float, *, q: float, num_directions: int = 1
-                    ) -> dp_event.DpEvent:
-    """DP event of one DP-ZO step: K clipped scalars per example (L2 norm <= C√K) with noise
-    σC per coordinate, i.e. a Poisson-subsampled Gaussian of multiplier σ/√K."""
-    return gaussian_step_event(noise_multiplier / math.sqrt(num_directions), q=q)

@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pavejax.accounting import Ledger, calibrate_noise, dp_sgd_event
+from pavejax.accounting import Ledger, calibrate, dpzo_step_event, run_event
 from pavejax.checkpointing import TrainCheckpointer
 from pavejax.paczero import mechanisms as mech
 from pavejax.paczero.checkpoint import resume, save_state, with_origin
@@ -164,7 +164,7 @@ class ZOState:
         its DP figure must hold between pools of that size (MI charges are relation-free)."""
         led = Ledger("replace_one", "pld")
         if config.mechanism == "dpzo" and self.step:
-            led.record(mech.dpzo_step_event(self.noise_multiplier,
+            led.record(dpzo_step_event(self.noise_multiplier,
                                             q=config.dp_batch_size / pool_size,
                                             num_directions=config.num_directions),
                        count=self.step, label=label)
@@ -206,8 +206,8 @@ def init_state(config: ZOConfig, trainable: PyTree, pool_size: int, *, public_se
     sigma = key = None
     if config.mechanism == "dpzo":
         sigma = _dp_noise_multiplier(float(config.target_epsilon), float(config.delta),
-                                     config.dp_batch_size / pool_size, config.steps)
-        sigma *= math.sqrt(config.num_directions)
+                                     config.dp_batch_size / pool_size, config.steps,
+                                     config.num_directions)
         key = fresh_key() if replay is None else _key_from(replay[2])
     mechanism = mech.init_mechanism_state(
         noise, config.num_subsets, coins=public if config.mechanism == "zpl" else None)
@@ -224,18 +224,12 @@ def _key_from(seed: np.random.SeedSequence) -> jax.Array:
                                     impl=jax.random.key_impl(jax.random.key(0)))
 
 
-@functools.lru_cache(maxsize=64)
-def _dp_noise_multiplier(epsilon: float, delta: float, q: float, steps: int) -> float:
-    """σ of DP-ZO: replace-one, PLD. Solved at a 1e-3 PLD grid (about ten times faster than the
-    ledger's 1e-4; 0.4–1 s instead of 3–9 s for 300 steps at q = 1/4), then checked on the
-    ledger's own grid, solving there only if the coarse σ fails the target (cached per setting).
-    """
-    solve = functools.partial(calibrate_noise, epsilon, delta, q=q, steps=steps,
-                              relation="replace_one", accountant="pld")
-    sigma = solve(pld_discretization=1e-3)
-    check = Ledger("replace_one", "pld")
-    check.record(dp_sgd_event(sigma, q=q, steps=steps))
-    return sigma if check.epsilon(delta) <= epsilon else solve()
+def _dp_noise_multiplier(epsilon: float, delta: float, q: float, steps: int,
+                         num_directions: int) -> float:
+    """σ of DP-ZO (replace-one, PLD), calibrated on the run's own events."""
+    return calibrate(lambda z: run_event(dpzo_step_event(z, num_directions=num_directions, q=q),
+                                         steps), epsilon, delta, relation="replace_one",
+                     accountant="pld")
 
 
 class DeviceFunctions(NamedTuple):
