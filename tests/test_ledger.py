@@ -440,7 +440,7 @@ def test_bad_noise_and_events_and_counts():
 def test_bad_epsilons_accountants_and_sampling_sizes():
     with pytest.raises(ValueError, match="epsilon must be > 0"):
         Ledger().delta(0.0)
-    with pytest.raises(ValueError, match="target_epsilon must be > 0"):
+    with pytest.raises(ValueError, match="epsilon must be > 0"):
         Ledger().check_budget(0.0, DELTA)
     with pytest.raises(ValueError, match="use 'pld' or 'rdp'"):
         Ledger(accountant="moments")

@@ -397,20 +397,20 @@ class Ledger:
             out["unsupported"] = unsupported
         return out
 
-    def check_budget(self, target_epsilon: float, delta: float, *,
+    def check_budget(self, epsilon: float, delta: float, *,
                      pending: dp_event.DpEvent | None = None, pending_count: int = 1,
                      accountant: str | None = None) -> float:
         """Returns the ε at ``delta`` (including an optional ``pending`` event not yet recorded)
-        and raises BudgetExceededError if it exceeds ``target_epsilon``."""
-        target_epsilon = _check_epsilon("target_epsilon", target_epsilon)
+        and raises BudgetExceededError if it exceeds the budget ``epsilon``."""
+        epsilon = _check_epsilon("epsilon", epsilon)
         trial = self.compose(Ledger(self.relation, self.accountant,
                                     pld_discretization=self.pld_discretization))
         if pending is not None:
             trial.record(pending, pending_count, label="pending")
         spent = trial.epsilon(delta, accountant)
-        if spent > target_epsilon:
+        if spent > epsilon:
             what = "this release would exceed it" if pending is not None else "already spent"
-            raise BudgetExceededError(f"budget {what}: ε={spent:.6g} > target {target_epsilon:g} "
+            raise BudgetExceededError(f"budget {what}: ε={spent:.6g} > target {epsilon:g} "
                                       f"at δ={delta:g}; stop releasing or raise the target")
         return spent
 
