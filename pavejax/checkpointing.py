@@ -215,9 +215,20 @@ class TrainCheckpointer:
       budget: optional :class:`Budget` (or ``(epsilon, delta)``) for the run; the one stored
         with an existing checkpoint is binding.
 
-    Example:
+    Example (any trainer takes it: ``train_task``, ``generate_spec``, PACZero's ``train``, or
+    :func:`pavejax.training.run` driving your own step):
+      >>> import tempfile, jax, jax.numpy as jnp
+      >>> from pavejax.accounting import Ledger, gaussian_step_event
+      >>> from pavejax.training import Charge, run
+      >>> event = gaussian_step_event(2.0, q=0.01, sampling="poisson")
+      >>> def step(x, batch, key):
+      ...     return x + jax.random.normal(key), Charge(event), {}
+      >>> tmp = tempfile.mkdtemp()
       >>> with TrainCheckpointer(tmp, every=10, budget=(4.0, 1e-5)) as ckpt:
-      ...     result = train_task(loss_fn, params, frozen, data, key, cfg, checkpointer=ckpt)
+      ...     out = run(step, jnp.float32(0), jax.random.key(0), 20, ledger=Ledger("add_remove"),
+      ...               checkpointer=ckpt, run_record={"trainer": "example"}, progress=False)
+      >>> ckpt.latest_step()
+      20
     """
 
     def __init__(self, directory: str | os.PathLike[str], *, every: int = 1,

@@ -59,11 +59,12 @@ def attention_predicate(layers: Sequence[int] | None = None,
 class TextSpecBackbone:
     """Spec generation on a BERT encoder for texts with named classes.
 
-    Example:
-      >>> tb = TextSpecBackbone()                      # real all-MiniLM-L6-v2
-      >>> res = tb.user_spec(texts, labels, ("negative", "positive"), dock.a_key(),
-      ...                    SpecConfig.preset("quick"))
-      >>> res.spec                                       # a PaveSpec, ready for dock.search
+    Example (needs the real MiniLM weights, so it is shown, not run)::
+
+      tb = TextSpecBackbone()                      # real all-MiniLM-L6-v2
+      res = tb.user_spec(texts, labels, ("negative", "positive"), dock.a_key(),
+                         SpecConfig.preset("quick"))
+      res.spec                                     # a PaveSpec, ready for dock.search
 
     Args:
       encoder, tokenizer: a :class:`BertEncoder` and a tokenizer with fixed ``max_length``

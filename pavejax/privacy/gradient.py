@@ -167,10 +167,19 @@ class DPGradient:
     over :func:`private_gradient` and :func:`~pavejax.privacy.check_step`).
 
     Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from pavejax.accounting import Ledger
+      >>> from pavejax.privacy import fresh_key
+      >>> def loss_fn(w, frozen, ex):
+      ...     return jnp.sum((ex["x"] @ w - ex["y"]) ** 2)
+      >>> data = {"x": jnp.ones((256, 3)), "y": jnp.zeros(256)}
       >>> dp = DPGradient(loss_fn, DPConfig(l2_clip=1.0, noise_multiplier=1.1,
-      ...     sampling=SamplingConfig("poisson", dataset_size=n, batch_size=64)))
-      >>> grad, info, event = dp(trainable, frozen, data, key)
-      >>> ledger.record(event)
+      ...     sampling=SamplingConfig("poisson", dataset_size=256, batch_size=64)))
+      >>> grad, info, event = dp(jnp.zeros(3), None, data, fresh_key())
+      >>> ledger = Ledger("add_remove")
+      >>> _ = ledger.record(event)
+      >>> grad.shape
+      (3,)
     """
 
     def __init__(self, loss_fn: LossFn, config: DPConfig, mesh: jax.sharding.Mesh | None = None,
