@@ -105,13 +105,20 @@ def module_imports(source: str, module: str, *, is_package: bool = False,
     """``(imported module, line)`` for every import statement anywhere in ``source``, by line.
 
     Relative imports are resolved against ``module``; ``from a import b`` names the module
-    ``a.b`` when that is one of the ``known`` modules, else ``a``.
+    ``a.b`` when that is one of the ``known`` modules, else ``a``. A string that is exactly the
+    name of a ``known`` module (outside docstrings) counts too: that is how lazy exports
+    (``importlib.import_module("pavejax.x")``) name what they will import.
     """
     known = set(known)
     base = module.split(".") if is_package else module.split(".")[:-1]
     out = []
-    for node in ast.walk(ast.parse(source)):
-        if isinstance(node, ast.Import):
+    tree = ast.parse(source)
+    docstrings = {id(n.value) for n in ast.walk(tree) if isinstance(n, ast.Expr)}
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Constant) and isinstance(node.value, str)
+                and node.value in known and id(node) not in docstrings):
+            out.append((node.value, node.lineno))
+        elif isinstance(node, ast.Import):
             out += [(alias.name, node.lineno) for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
             if node.level:
@@ -277,6 +284,15 @@ def test_imports_inside_functions_and_relative_imports_count():
         "[pavejax.privacy.noise:4]",
         "pavejax.privacy.noise -> pavejax.data (core may not import data) "
         "[pavejax.privacy.noise:6]"]
+
+
+def test_lazy_imports_by_module_name_count():
+    source = ('"""Mentions pavejax.cli in a docstring only."""\n'
+              "import importlib\n\n"
+              "def __getattr__(name):\n"
+              '    return importlib.import_module("pavejax.cli")\n')
+    assert check_source(source, "pavejax.privacy", known={"pavejax.cli"}) == [
+        "pavejax.privacy -> pavejax.cli (core may not import apps) [pavejax.privacy:5]"]
 
 
 def test_submodule_resolution_and_sibling_layers():
