@@ -106,8 +106,8 @@ def module_imports(source: str, module: str, *, is_package: bool = False,
 
     Relative imports are resolved against ``module``; ``from a import b`` names the module
     ``a.b`` when that is one of the ``known`` modules, else ``a``. A string that is exactly the
-    name of a ``known`` module (outside docstrings) counts too: that is how lazy exports
-    (``importlib.import_module("pavejax.x")``) name what they will import.
+    name of a ``known`` module below the root (outside docstrings) counts too: that is how lazy
+    exports (``importlib.import_module("pavejax.x")``) name what they will import.
     """
     known = set(known)
     base = module.split(".") if is_package else module.split(".")[:-1]
@@ -116,7 +116,7 @@ def module_imports(source: str, module: str, *, is_package: bool = False,
     docstrings = {id(n.value) for n in ast.walk(tree) if isinstance(n, ast.Expr)}
     for node in ast.walk(tree):
         if (isinstance(node, ast.Constant) and isinstance(node.value, str)
-                and node.value in known and id(node) not in docstrings):
+                and node.value in known - {"pavejax"} and id(node) not in docstrings):
             out.append((node.value, node.lineno))
         elif isinstance(node, ast.Import):
             out += [(alias.name, node.lineno) for alias in node.names]
