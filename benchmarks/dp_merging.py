@@ -135,7 +135,6 @@ from pavejax.accounting import Ledger, calibrate, dp_sam_step_event, run_event
 from pavejax.merging import diagnostics as dg, operators as ops, train as mt
 from pavejax.optim import promotion_safe
 from pavejax.privacy import take_batch
-from pavejax.privacy.sampling import BatchOverflowError, max_batch_for, poisson_indices
 from pavejax.recipes import Recipe
 
 SENTIMENT = ("negative", "positive")
@@ -273,56 +272,29 @@ class Model:
 # ------------------------------------------------------------------ private training, vmapped
 
 
-def make_trainer(model: Model, mode: str, s: Settings):
-    """``train(keys (R, T), data, cols, w0, sigmas (R,), anchors (R,), lrs (R,))`` for one
-    ascent mode.
+def reset_foreign_columns(state: mt.TrainState, batch: mt.SamBatch) -> mt.TrainState:
+    """After every step: head columns outside the task's classes (``batch.frozen`` False) back
+    to w0. A task owns only its classes' columns; the others would carry nothing but noise
+    (post-processing of the release: no privacy cost)."""
+    head = jnp.where(batch.frozen[None, :], state.params["head"], batch.anchor_params["head"])
+    return state._replace(params=state.params | {"head": head})
 
-    Runs R x T independent trainings (R runs of (epsilon, seed, anchor, learning rate), T tasks
-    stacked on the leading axis of ``data``/``cols``) of ``s.steps``
-    :func:`pavejax.merging.train.dp_sam_step` steps on Poisson batches, in one compiled ``scan``
-    (sigma, anchor and the peak learning rate are traced; the schedule, warm-up and weight decay
-    are the recipe's); head columns outside a task's classes stay at w0. Returns params with
-    leading axes (R, T) and raises if a Poisson draw overflowed or an example was non-finite
-    (:func:`check_draws`).
+
+def train_private(model: Model, mode: str, s: Settings, keys: jax.Array, data: dict,
+                  cols: jax.Array, w0: dict, sigmas, anchors, lrs) -> dict:
+    """Params with leading axes (R, T): R x T independent private trainings in one compiled
+    program (:func:`pavejax.merging.train.train_many`), R runs of (epsilon, seed, anchor,
+    learning rate) with ``sigmas``/``anchors``/``lrs`` (R,) and ``keys`` (R, T), T tasks
+    stacked on the leading axis of ``data``/``cols``. Each run is ``s.steps`` steps in ascent
+    ``mode`` on Poisson batches with the recipe's schedule, warm-up and weight decay; head
+    columns outside a task's classes stay at w0 (:func:`reset_foreign_columns`). Raises if a
+    Poisson draw overflowed or an example was non-finite (``train_many`` checks every step).
     """
-    q = s.batch / s.n_train
-    cap = max_batch_for(s.n_train, q)
     cfg = mt.MergeTrainConfig.from_recipe(
-        s.recipe, dataset_size=s.n_train, steps=s.steps, learning_rate=1.0, mode=mode,
-        noise_multiplier=1.0, l2_clip=s.l2_clip, batch_size=s.batch, rho=s.rho, anchor=1.0)
-
-    def one(key, data, cols, w0, sigma, anchor, lr):
-        def body(state, k):
-            k_sample, k_step = jax.random.split(k)
-            idx, mask, count = poisson_indices(k_sample, s.n_train, q, cap)
-            batch = take_batch(data, idx)
-            if mode == "fresh":  # the ascent query gets its own Poisson batch
-                a_idx, a_mask, a_count = poisson_indices(jax.random.fold_in(k, 1), s.n_train,
-                                                         q, cap)
-                a_batch, count = take_batch(data, a_idx), jnp.maximum(count, a_count)
-            else:
-                a_batch, a_mask = batch, mask
-            state, stats = mt.dp_sam_step(model.loss, cfg, state, cols, w0, batch, mask, a_batch,
-                                          a_mask, k_step, sigma, anchor, lr_scale=lr)
-            # A task owns only its classes' head columns; the others would carry nothing but
-            # noise, so they are reset to w0 (post-processing: no privacy cost).
-            head = jnp.where(cols[None, :], state.params["head"], w0["head"])
-            return state._replace(params=state.params | {"head": head}), (
-                count, stats.num_nonfinite)
-
-        state, (counts, bad) = jax.lax.scan(body, mt.init_state(w0, cfg),
-                                            jax.random.split(key, s.steps))
-        return state.params, jnp.max(counts), jnp.sum(bad)
-
-    tasks = jax.vmap(one, in_axes=(0, 0, 0, None, None, None, None))
-    runs = jax.vmap(tasks, in_axes=(0, None, None, None, 0, 0, 0))
-
-    def train(keys, data, cols, w0, sigmas, anchors, lrs):
-        params, count, bad = jax.jit(runs)(keys, data, cols, w0, sigmas, anchors, lrs)
-        check_draws(int(jnp.max(count)), cap, int(jnp.sum(bad)))
-        return params
-
-    return train
+        s.recipe, dataset_size=s.n_train, steps=s.steps, mode=mode, noise_multiplier=1.0,
+        l2_clip=s.l2_clip, batch_size=s.batch, rho=s.rho)
+    return mt.train_many(model.loss, cfg, w0, cols, data, keys, noise_multipliers=sigmas,
+                         anchors=anchors, learning_rates=lrs, post=reset_foreign_columns).params
 
 
 def make_nonprivate_trainer(model: Model, s: Settings):
@@ -358,17 +330,6 @@ def make_nonprivate_trainer(model: Model, s: Settings):
 
     tasks = jax.vmap(one, in_axes=(0, 0, 0, None, None))
     return jax.jit(jax.vmap(tasks, in_axes=(0, None, None, None, 0)))
-
-
-def check_draws(largest: int, cap: int, nonfinite: int) -> None:
-    """Raises if a Poisson draw overflowed the padded batch (the accounting assumes no example
-    was dropped) or if an example gave a non-finite loss or gradient."""
-    if largest > cap:
-        raise BatchOverflowError(f"a Poisson draw of {largest} examples exceeded the padded "
-                                 f"batch {cap}; the run is void, raise the padded size")
-    if nonfinite:
-        raise ValueError(f"{nonfinite} non-finite per-example losses or gradients during "
-                         "training; check the inputs or lower the learning rate")
 
 
 def noise_for(mode: str, eps: float, s: Settings) -> tuple[float, float]:
@@ -439,9 +400,8 @@ def tune_learning_rates(model: Model, s: Settings, w0: dict, train: dict, cols: 
     sigma = noise_for("none", eps, s)[0]
     grid = s.lr_grid_private
     keys = jnp.stack([jnp.stack([_run_key(99, 0, t) for t in range(n_tasks)])] * len(grid))
-    params = make_trainer(model, "none", s)(
-        keys, train, cols, w0, jnp.full((len(grid),), sigma, jnp.float32),
-        jnp.zeros((len(grid),), jnp.float32), jnp.asarray(grid, jnp.float32))
+    params = train_private(model, "none", s, keys, train, cols, w0, [sigma] * len(grid),
+                           [0.0] * len(grid), grid)
     private = [dev_acc(params, r) for r in range(len(grid))]
     rows += [_row("lr_sweep", "naive", eps, "dev", [a], sigma=round(sigma, 4),
                   learning_rate=lr) for lr, a in zip(grid, private, strict=True)]
@@ -471,10 +431,9 @@ def _train_all(model: Model, s: Settings, w0: dict, train: dict, cols: jax.Array
         # Same key for the same (epsilon, seed, task) in every method: paired comparisons.
         keys = jnp.stack([jnp.stack([_run_key(s.epsilons.index(e), seed, t)
                                      for t in range(n_tasks)]) for _, e, seed in runs])
-        params = make_trainer(model, mode, s)(
-            keys, train, cols, w0, jnp.asarray([noise[e][0] for _, e, _ in runs], jnp.float32),
-            jnp.asarray([METHODS[k][1] for k, _, _ in runs], jnp.float32),
-            jnp.full((len(runs),), lr_private, jnp.float32))
+        params = train_private(model, mode, s, keys, train, cols, w0,
+                               [noise[e][0] for _, e, _ in runs],
+                               [METHODS[k][1] for k, _, _ in runs], [lr_private] * len(runs))
         for r, (k, e, seed) in enumerate(runs):
             out[k, e, seed] = ([jax.tree.map(lambda x: x[r, t], params)  # noqa: B023
                                 for t in range(n_tasks)], noise[e])

@@ -15,7 +15,6 @@ import pytest
 from flax import nnx
 
 from pavejax.models import BertConfig, BertEncoder, mean_pool
-from pavejax.privacy.sampling import BatchOverflowError
 from tests._bench import benchmark_module
 
 
@@ -122,16 +121,16 @@ def _stack(ds):
 @pytest.fixture(scope="module")
 def none_run(bench):
     """A noise-free DP-AdamW ("none") run of two synthetic tasks, without and with the anchor:
-    (inputs of ``make_trainer(...)``, settings, trained params), shared by two tests."""
+    (inputs of ``train_private(model, mode, s, *inputs)``, settings, trained params), shared
+    by two tests."""
     s = _settings(bench)
     train, cols = _synthetic(0, s.n_train)
     w0, model = _w0(1), bench.Model(1e-12)
     key = jax.random.key(0)
     keys = jnp.stack([jnp.stack([jax.random.fold_in(key, t) for t in range(2)])] * 2)
-    inputs = (keys, _stack(train), cols, w0, jnp.asarray([0.0, 0.0], jnp.float32),
-              jnp.asarray([0.0, bench.METHODS["anchor"][1]], jnp.float32),
-              jnp.full((2,), s.learning_rate, jnp.float32))
-    return inputs, s, bench.make_trainer(model, "none", s)(*inputs)
+    inputs = (keys, _stack(train), cols, w0, [0.0, 0.0], [0.0, bench.METHODS["anchor"][1]],
+              [s.learning_rate] * 2)
+    return inputs, s, bench.train_private(model, "none", s, *inputs)
 
 
 def test_trainer_learns_and_the_anchor_bounds_drift(bench, none_run):
@@ -160,7 +159,7 @@ def test_fresh_mode_draws_its_own_ascent_batch_and_keeps_the_descent_pairing(ben
 
     def train_mode(mode, rho):
         return jax.tree.leaves(
-            bench.make_trainer(model, mode, dataclasses.replace(s, rho=rho))(*inputs))
+            bench.train_private(model, mode, dataclasses.replace(s, rho=rho), *inputs))
 
     for a, b in zip(jax.tree.leaves(params), train_mode("fresh", 0.0), strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
@@ -243,14 +242,6 @@ def test_merges_of_unchanged_or_identical_models(bench):
     p = jax.tree.map(lambda x: x + 0.3, w0)
     same = statistics.fmean(float(model.accuracy(p, cols[t], train[t])) for t in range(2))
     assert bench._score_merges(model, s, w0, [p, p], cols, train)["wa"] == same
-
-
-def test_check_draws_refuses_overflow_and_non_finite(bench):
-    bench.check_draws(45, 45, 0)
-    with pytest.raises(BatchOverflowError, match="46 examples exceeded the padded batch 45"):
-        bench.check_draws(46, 45, 0)
-    with pytest.raises(ValueError, match="3 non-finite per-example"):
-        bench.check_draws(10, 45, 3)
 
 
 def test_noise_is_calibrated_per_mode(bench):

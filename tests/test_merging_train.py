@@ -211,7 +211,8 @@ def test_train_task_learns_records_ledger_and_anchor_bounds_drift(getkey):
     assert np.mean(free.losses[-10:]) < 0.9 * math.log(2)
     drift = lambda p: float(mt.global_norm(jax.tree.map(lambda a, b: a - b, p, w0)))  # noqa: E731
     assert drift(tied.params) < 0.7 * drift(free.params)
-    assert len(free.ledger) == 1 and free.ledger.entries[0].count == 30
+    assert sum(e.count for e in free.ledger.entries) == 30
+    assert all(e.event == dp_sam_step_event("same", 0.5, q=0.25) for e in free.ledger.entries)
     assert free.ledger.epsilon(DELTA) == pytest.approx(
         _mode_epsilon("same", 0.5, 0.25, 30), rel=1e-9)
 
@@ -358,9 +359,9 @@ def test_traced_sigma_matches_static_noise():
 def test_traced_and_static_private_mean_divide_by_expected_batch_size_on_a_padded_batch():
     # A Poisson-style padded batch: 8 rows, 3 real (mask) and 5 padding rows holding garbage;
     # the expected batch size q N is 8, so dividing by the realised count 3 would scale the
-    # gradient by 8/3. train_task's compiled step takes the traced-sigma path of the private
-    # mean, the eager step with sigma=None the static one (noisy_gradient): both must give the
-    # sum of the real rows' gradients / 8. Zero noise makes the comparison exact.
+    # gradient by 8/3. The eager step with the config's z and the compiled step with a traced
+    # z must both give the sum of the real rows' gradients / 8. Zero noise makes the
+    # comparison exact.
     x = np.zeros((8, 2), np.float32)
     x[:3] = [[1.0, 0.0], [0.0, 2.0], [1.0, 1.0]]
     x[3:] = 50.0
@@ -372,7 +373,7 @@ def test_traced_and_static_private_mean_divide_by_expected_batch_size_on_a_padde
     w = {"w": jnp.array([0.5, -0.5])}
     st = mt.init_state(w, cfg)
     static, _ = mt.dp_sam_step(_lin_loss, cfg, st, None, w, x, m, x, m, jax.random.key(5))
-    step = jax.jit(functools.partial(mt.dp_sam_step, _lin_loss, mt._shape_config(cfg)))
+    step = jax.jit(functools.partial(mt.dp_sam_step, _lin_loss, cfg))
     traced, _ = step(st, None, w, x, m, x, m, jax.random.key(5), jnp.float32(0.0),
                      jnp.float32(0.0))
     expected = (3 * np.asarray(w["w"]) - np.asarray(x["x"][:3]).sum(0)) / 8  # (-0.125, -0.5)
@@ -489,29 +490,39 @@ def test_make_optimizer_follows_the_schedule():
 
 
 @pytest.mark.parametrize("sched", ["constant", "cosine"])
-def test_lr_scale_equals_the_learning_rate(sched):
+def test_traced_learning_rate_equals_the_configured_one(sched):
+    # make_optimizer(cfg, learning_rate=traced) inside jit == cfg with that rate, eagerly
     x = {"x": jnp.array([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0], [2.0, 0.0]])}
     m = jnp.ones(4, bool)
     w0 = {"w": jnp.array([0.5, -0.5])}
     s = 0.03
+    cfg = mt.MergeTrainConfig(dataset_size=4, steps=4, mode="none", noise_multiplier=0.0,
+                              batch_size=4, l2_clip=100.0, anchor=0.1, learning_rate=1.0,
+                              weight_decay=0.1, schedule=sched, warmup_fraction=0.25)
 
-    def run(lr, lr_scale, jit):
-        cfg = mt.MergeTrainConfig(dataset_size=4, steps=4, mode="none", noise_multiplier=0.0,
-                                  batch_size=4, l2_clip=100.0, anchor=0.1, learning_rate=lr,
-                                  weight_decay=0.1, schedule=sched, warmup_fraction=0.25)
-        step = functools.partial(mt.dp_sam_step, _lin_loss, cfg)
-        if jit:
-            step = jax.jit(step)
-        st = mt.init_state(w0, cfg)
-        for k in range(3):
-            kw = {} if lr_scale is None else {"lr_scale": jnp.float32(lr_scale)}
-            st, _ = step(st, None, w0, x, m, x, m, jax.random.key(k), **kw)
-        return np.asarray(st.params["w"])
+    def run(cfg, lr=None):
+        if lr is None:
+            opt = mt.make_optimizer(cfg)
+            step = functools.partial(mt.dp_sam_step, _lin_loss, cfg, optimizer=opt)
+            st = mt.init_state(w0, cfg, opt)
+            for k in range(3):
+                st, _ = step(st, None, w0, x, m, x, m, jax.random.key(k))
+            return np.asarray(st.params["w"])
 
-    want = run(s, None, False)
-    np.testing.assert_allclose(run(1.0, s, False), want, rtol=1e-5, atol=1e-7)
-    np.testing.assert_allclose(run(1.0, s, True), want, rtol=1e-5, atol=1e-7)
-    assert not np.allclose(run(1.0, None, False), want, rtol=1e-2)  # the scale matters
+        @jax.jit
+        def traced(lr):
+            opt = mt.make_optimizer(cfg, learning_rate=lr)
+            st = mt.init_state(w0, cfg, opt)
+            for k in range(3):
+                st, _ = mt.dp_sam_step(_lin_loss, cfg, st, None, w0, x, m, x, m,
+                                       jax.random.key(k), optimizer=opt)
+            return st.params["w"]
+
+        return np.asarray(traced(jnp.float32(lr)))
+
+    want = run(dataclasses.replace(cfg, learning_rate=s))
+    np.testing.assert_allclose(run(cfg, lr=s), want, rtol=1e-5, atol=1e-7)
+    assert not np.allclose(run(cfg), want, rtol=1e-2)  # the rate matters
     assert not np.allclose(want, np.asarray(w0["w"]), atol=1e-4)  # and the run moved
 
 
@@ -550,3 +561,191 @@ def test_constant_schedule_keeps_the_recipes_warm_up():
     for k, lr in enumerate((0.0, 0.05, 0.1, 0.1)):
         want = want - lr * (want - x.mean(0))
         np.testing.assert_allclose(seen[k], want, rtol=1e-5, atol=1e-7)
+
+
+# ------------------------------------------------------------------ the step protocol
+
+
+def _protocol_cfg(mode, **kw):
+    base = dict(dataset_size=64, steps=5, mode=mode, noise_multiplier=0.8, batch_size=16,
+                l2_clip=1.0, learning_rate=0.1, anchor=0.3, rho=0.2)
+    return mt.MergeTrainConfig(**(base | kw))
+
+
+def _scan(step, state, batch, key, steps):
+    """The steps 0..steps-1 of ``step`` under one lax.scan, step t keyed fold_in(key, t)."""
+
+    @jax.jit
+    def go(state, batch):
+        def body(s, t):
+            s, _, stats = step(s, batch, jax.random.fold_in(key, t))
+            return s, stats
+
+        return jax.lax.scan(body, state, jnp.arange(steps, dtype=jnp.uint32))
+
+    return go(state, batch)
+
+
+def _close(a, b, **tol):
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), **({"rtol": 1e-5, "atol": 1e-6}
+                                                                     | tol))
+
+
+def test_step_under_scan_equals_train_task():
+    cfg, data = _protocol_cfg("fresh", steps=6), _toy_data()
+    w0 = {"w": jnp.zeros(5), "b": jnp.zeros(())}
+    key = jax.random.key(11)
+    final, stats = _scan(mt.make_step(_logreg_loss, cfg), mt.init_state(w0, cfg),
+                         mt.SamBatch(data, None, w0), key, cfg.steps)
+    pv.check_step(stats)
+    res = mt.train_task(_logreg_loss, w0, None, data, key, cfg)
+    _close(final.params, res.params)
+    np.testing.assert_allclose(np.asarray(stats.loss), res.losses, rtol=1e-5)
+    # several steps per host call run the same steps
+    _close(mt.train_task(_logreg_loss, w0, None, data, key, cfg, steps_per_call=3).params,
+           res.params)
+    assert not np.allclose(np.asarray(res.params["w"]), 0.0)
+
+
+@pytest.mark.parametrize("mode", mt.MODES)
+def test_step_charge_is_the_accounting_event(mode):
+    from pavejax.training import charge_of
+
+    cfg, data = _protocol_cfg(mode, batch_size=8), _toy_data()
+    w0 = {"w": jnp.zeros(5), "b": jnp.zeros(())}
+    batch, key = mt.SamBatch(data, None, w0), jax.random.key(0)
+    charge = charge_of(mt.make_step(_logreg_loss, cfg), mt.init_state(w0, cfg), batch, key)
+    assert charge.event == dp_sam_step_event(mode, 0.8, q=8 / 64)
+    assert charge.label == f"dp-merging/{mode}"
+    over = charge_of(mt.make_step(_logreg_loss, cfg, noise_multiplier=1.7),
+                     mt.init_state(w0, cfg), batch, key)
+    assert over.event == dp_sam_step_event(mode, 1.7, q=8 / 64)
+
+    def traced(z):  # a traced z: the caller accounts for it
+        return mt.make_step(_logreg_loss, cfg, noise_multiplier=z)(mt.init_state(w0, cfg),
+                                                                   batch, key)[1]
+
+    assert jax.eval_shape(traced, jnp.float32(1.0)).event is None
+
+
+def test_vmapped_sigma_sweep_equals_separate_runs():
+    cfg, data = _protocol_cfg("same"), _toy_data()
+    w0 = {"w": jnp.zeros(5), "b": jnp.zeros(())}
+    key, zs = jax.random.key(5), jnp.asarray([0.5, 2.0], jnp.float32)
+
+    def sweep(z):
+        step = mt.make_step(_logreg_loss, cfg, noise_multiplier=z)
+        return _scan(step, mt.init_state(w0, cfg), mt.SamBatch(data, None, w0), key,
+                     cfg.steps)[0].params
+
+    swept = jax.vmap(sweep)(zs)
+    for i, z in enumerate(zs.tolist()):
+        one = mt.train_task(_logreg_loss, w0, None, data, key,
+                            dataclasses.replace(cfg, noise_multiplier=z))
+        _close(jax.tree.map(lambda x, i=i: x[i], swept), one.params)
+    assert not np.allclose(np.asarray(swept["w"][0]), np.asarray(swept["w"][1]), atol=1e-3)
+
+
+def test_train_many_equals_train_task_per_run_and_task():
+    # two tasks (different data, different frozen scale), two runs of (z, lambda, rate)
+    cfg = _protocol_cfg("fresh", schedule="cosine", warmup_fraction=0.2)
+    datas = [_toy_data(seed=0), _toy_data(seed=3)]
+    frozen = jnp.asarray([1.0, 0.5], jnp.float32)
+
+    def loss(params, scale, ex):
+        return scale * _logreg_loss(params, None, ex)
+
+    w0 = {"w": 0.1 * jnp.ones(5), "b": jnp.zeros(())}
+    runs = [(0.5, 0.0, 0.05), (0.0, 1.0, 0.2)]
+    keys = jnp.stack([jnp.stack([jax.random.key(10 * r + t) for t in range(2)])
+                      for r in range(2)])
+    out = mt.train_many(loss, cfg, w0, frozen, jax.tree.map(lambda *x: jnp.stack(x), *datas),
+                        keys, noise_multipliers=[z for z, _, _ in runs],
+                        anchors=[a for _, a, _ in runs], learning_rates=[lr for *_, lr in runs])
+    assert out.stats.loss.shape == (2, 2, cfg.steps)
+    for r, (z, a, lr) in enumerate(runs):
+        one_cfg = dataclasses.replace(cfg, noise_multiplier=z, anchor=a, learning_rate=lr)
+        for t in range(2):
+            one = mt.train_task(loss, w0, frozen[t], datas[t], keys[r, t], one_cfg)
+            _close(jax.tree.map(lambda x, r=r, t=t: x[r, t], out.params), one.params)
+            np.testing.assert_allclose(np.asarray(out.stats.loss[r, t]), one.losses, rtol=1e-5)
+        assert ([(e.event, e.count) for e in out.ledgers[r].entries]
+                == [(one_cfg.step_event(), cfg.steps)])
+    assert 0 < out.ledgers[0].epsilon(DELTA) < math.inf
+    assert math.isinf(out.ledgers[1].epsilon(DELTA))  # z = 0: no privacy claimed
+
+
+def test_train_many_post_hook_runs_after_every_step():
+    # post pins w[0] to w0 after each step: it never moves, while the other weights do
+    cfg = _protocol_cfg("none", noise_multiplier=0.0)
+    w0 = {"w": jnp.full(5, 0.3), "b": jnp.zeros(())}
+
+    def pin(state, batch):
+        w = state.params["w"].at[0].set(batch.anchor_params["w"][0])
+        return state._replace(params=state.params | {"w": w})
+
+    data = jax.tree.map(lambda x: x[None], _toy_data())
+    out = mt.train_many(_logreg_loss, cfg, w0, None, data, jax.random.key(0)[None, None],
+                        post=pin)
+    w = np.asarray(out.params["w"][0, 0])
+    assert w[0] == np.float32(0.3) and not np.allclose(w[1:], 0.3, atol=1e-3)
+
+
+def test_train_many_rejects_bad_shapes_and_values():
+    cfg, w0 = _protocol_cfg("none"), {"w": jnp.zeros(5), "b": jnp.zeros(())}
+    data, keys = jax.tree.map(lambda x: x[None], _toy_data()), jax.random.split(
+        jax.random.key(0), 2)[:, None]
+    with pytest.raises(ValueError, match=r"leading axes \(T, N\) = \(1, 64\)"):
+        mt.train_many(_logreg_loss, cfg, w0, None, _toy_data(), keys)
+    with pytest.raises(ValueError, match=r"\(R, T\) array of typed PRNG keys"):
+        mt.train_many(_logreg_loss, cfg, w0, None, data, jax.random.key(0)[None])
+    with pytest.raises(ValueError, match="noise_multipliers must be 2 finite numbers >= 0"):
+        mt.train_many(_logreg_loss, cfg, w0, None, data, keys, noise_multipliers=[1.0, -1.0])
+
+
+def test_overflow_and_non_finite_examples_are_refused():
+    w0 = {"w": jnp.zeros(5), "b": jnp.zeros(())}
+    # q = 1/2 of 64 examples into a padded batch of 2 rows: every draw overflows
+    tight = _protocol_cfg("fresh", batch_size=32, max_batch=2)
+    with pytest.raises(pv.BatchOverflowError, match="padded batch"):
+        mt.train_task(_logreg_loss, w0, None, _toy_data(), jax.random.key(0), tight)
+    with pytest.raises(pv.BatchOverflowError):
+        mt.train_many(_logreg_loss, tight, w0, None,
+                      jax.tree.map(lambda x: x[None], _toy_data()),
+                      jax.random.key(0)[None, None])
+    with pytest.raises(ValueError, match="max_batch must be None or a positive int"):
+        _protocol_cfg("fresh", max_batch=0)
+    bad = _toy_data()
+    bad["x"] = bad["x"].at[:, 0].set(jnp.nan)  # every example: the first batch meets one
+    with pytest.raises(pv.NonFiniteError, match="NaN/Inf"):
+        mt.train_task(_logreg_loss, w0, None, bad, jax.random.key(0), _protocol_cfg("none"))
+    assert issubclass(pv.NonFiniteError, ValueError)
+
+
+def test_resume_is_bit_exact_and_the_budget_is_checked_first(tmp_path):
+    from pavejax.accounting import BudgetExceededError
+    from pavejax.checkpointing import TrainCheckpointer
+
+    cfg, data = _protocol_cfg("reuse", steps=6), _toy_data()
+    w0 = {"w": jnp.zeros(5), "b": jnp.zeros(())}
+    key = jax.random.key(4)
+    whole = mt.train_task(_logreg_loss, w0, None, data, key, cfg)
+    with TrainCheckpointer(tmp_path / "run") as ckpt:  # stopped after 3 steps ...
+        mt.train_task(_logreg_loss, w0, None, data, key, dataclasses.replace(cfg, steps=3),
+                      checkpointer=ckpt)
+    with TrainCheckpointer(tmp_path / "run") as ckpt:  # ... and resumed (key from the checkpoint)
+        resumed = mt.train_task(_logreg_loss, w0, None, data, None, cfg, checkpointer=ckpt,
+                                steps_per_call=2)
+        assert ckpt.latest_step() == 6
+    for a, b in zip(jax.tree.leaves(resumed.params), jax.tree.leaves(whole.params), strict=True):
+        assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
+    assert resumed.losses == whole.losses
+    assert sum(e.count for e in resumed.ledger.entries) == 6
+    assert resumed.ledger.epsilon(DELTA) == pytest.approx(whole.ledger.epsilon(DELTA), rel=1e-12)
+    # a budget below the run's epsilon stops the run before its first step
+    eps = whole.ledger.epsilon(DELTA)
+    with TrainCheckpointer(tmp_path / "budget", budget=(0.9 * eps, DELTA)) as ckpt:
+        with pytest.raises(BudgetExceededError):
+            mt.train_task(_logreg_loss, w0, None, data, key, cfg, checkpointer=ckpt)
+        assert ckpt.latest_step() is None

@@ -36,7 +36,8 @@ from pavejax.merging.spectral import tsv_m as tsv_m
 
 # Names re-exported from pavejax.merging.train, imported on first access (PEP 562).
 _TRAIN_NAMES = frozenset({
-    "MODES", "MergeTrainConfig", "TrainResult", "TrainState", "dp_sam_step", "init_state",
+    "MODES", "ManyResult", "MergeTrainConfig", "SamBatch", "StepStats", "TrainResult",
+    "TrainState", "dp_sam_step", "init_state", "make_optimizer", "make_step", "train_many",
     "train_task",
 })
 

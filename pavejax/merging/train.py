@@ -22,6 +22,15 @@ each mode: its ascent, then the event of one run):
   (post-processing of past releases).
 - ``"random"``: an ``N(0, I)`` direction (ablation); same as ``"none"`` (uses no data).
 
+Entry points, from the most composable to the most convenient:
+
+- :func:`dp_sam_step`: the update on given padded batches (pure);
+- :func:`make_step`: the step protocol of :mod:`pavejax.training`, ``step(state, SamBatch,
+  key) -> (state, Charge, StepStats)``, sampling its batches inside (pure; any optax optimiser);
+- :func:`train_task`: that step under :func:`pavejax.training.run` (checkpoints, budget);
+- :func:`train_many`: R runs x T tasks in one compiled ``lax.scan`` (vmapped z, lambda and
+  learning rate), for sweeps.
+
 Formal guarantee:
   The released parameters after K steps are post-processing of the listed Gaussian queries, so
   the run satisfies the DP guarantee of :meth:`MergeTrainConfig.run_event` (noise multiplier
@@ -47,6 +56,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from dp_accounting import dp_event
 
@@ -57,29 +67,23 @@ from pavejax.accounting import (
     dp_sam_step_event,
     run_event,
 )
-from pavejax.checkpointing import (
-    Checkpoint,
-    TrainCheckpointer,
-    enforce_budget,
-    resolve_budget,
-    run_record,
-    tree_fingerprint,
-)
-from pavejax.distributed import pad_batch
+from pavejax import training
+from pavejax.checkpointing import TrainCheckpointer, run_record, tree_fingerprint
 from pavejax.optim import promotion_safe
-from pavejax.recipes import SCHEDULES, Recipe, schedule
 from pavejax.privacy import (
     ClipConfig,
     DPConfig,
     SamplingConfig,
-    StepInfo,
+    check_step,
     clipped_sum,
     data_parallel_clipped_sum,
-    gaussian_noise_like,
-    noisy_gradient,
+    pad_batch,
+    privatize_sum,
     replicate,
     take_batch,
 )
+from pavejax.recipes import SCHEDULES, Recipe, schedule
+from pavejax.training import Charge
 
 PyTree = Any
 LossFn = Callable[[PyTree, PyTree, PyTree], jax.Array]
@@ -115,6 +119,9 @@ class MergeTrainConfig:
         (with ``accountant="pld"``): add/remove neighbours differ in that size.
       accountant: ``"rdp"`` (default; analyses the composed "same" event) or ``"pld"`` (which
         analyses "same" as one Gaussian of multiplier ``z / sqrt(2)``, exactly).
+      max_batch: rows of the padded Poisson batch (default
+        :func:`pavejax.privacy.max_batch_for`: an overflow is rarer than 1e-9 per step); a
+        draw above it is refused (``BatchOverflowError``), never truncated.
     """
 
     dataset_size: int
@@ -137,6 +144,7 @@ class MergeTrainConfig:
     accountant: str = "rdp"
     schedule: str = "constant"
     warmup_fraction: float = 0.0
+    max_batch: int | None = None
 
     def __post_init__(self):
         if self.schedule not in SCHEDULES:
@@ -155,6 +163,10 @@ class MergeTrainConfig:
         if self.batch_size > self.dataset_size:
             raise ValueError(f"batch_size ({self.batch_size}) must not exceed dataset_size "
                              f"({self.dataset_size}).")
+        if self.max_batch is not None and (not isinstance(self.max_batch, int)
+                                           or isinstance(self.max_batch, bool)
+                                           or self.max_batch < 1):
+            raise ValueError(f"max_batch must be None or a positive int, got {self.max_batch!r}.")
         for name in ("learning_rate", "weight_decay", "rho", "anchor"):
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
@@ -209,10 +221,15 @@ class MergeTrainConfig:
         """The ``DpEvent`` of the whole run of ``steps`` steps (what `calibrate` solves)."""
         return run_event(self.step_event(noise_multiplier), self.steps)
 
+    @property
+    def sampling(self) -> SamplingConfig:
+        """The Poisson sampling of every query (rate q, padded to ``max_batch`` rows)."""
+        return SamplingConfig("poisson", self.dataset_size, self.batch_size,
+                              max_batch=self.max_batch)
+
     def dp_config(self) -> DPConfig:
         """The per-query :class:`DPConfig` (Poisson sampling at rate q)."""
-        return DPConfig(self.l2_clip, self.resolved_noise_multiplier,
-                        SamplingConfig("poisson", self.dataset_size, self.batch_size),
+        return DPConfig(self.l2_clip, self.resolved_noise_multiplier, self.sampling,
                         relation=self.relation)
 
 
@@ -251,11 +268,17 @@ def _flat_rate(cfg: MergeTrainConfig) -> bool:
     return cfg.schedule == "constant" and cfg.warmup_fraction == 0
 
 
-def make_optimizer(cfg: MergeTrainConfig) -> optax.GradientTransformation:
+def make_optimizer(cfg: MergeTrainConfig, *,
+                   learning_rate: float | jax.Array | None = None) -> optax.GradientTransformation:
     """AdamW (decoupled weight decay toward 0) or plain SGD with ``cfg``'s learning-rate
-    schedule over ``cfg.steps``, promotion-safe."""
-    lr = (cfg.learning_rate if _flat_rate(cfg)
-          else schedule(cfg.schedule, cfg.learning_rate, cfg.steps, cfg.warmup_fraction))
+    schedule over ``cfg.steps``, promotion-safe.
+
+    ``learning_rate`` replaces ``cfg.learning_rate`` as the peak rate; it may be a traced value
+    (a vmapped rate sweep compiles once, see :func:`train_many`).
+    """
+    peak = cfg.learning_rate if learning_rate is None else learning_rate
+    lr = (peak if _flat_rate(cfg)
+          else schedule(cfg.schedule, peak, cfg.steps, cfg.warmup_fraction))
     if cfg.optimizer == "sgd":
         return promotion_safe(optax.sgd(lr))
     return promotion_safe(optax.adamw(lr, b1=cfg.b1, b2=cfg.b2, eps=cfg.adam_eps,
@@ -271,62 +294,80 @@ class TrainState(NamedTuple):
 
 
 class StepStats(NamedTuple):
-    """Local per-step statistics (not privatised: do not release them)."""
+    """Local per-step statistics (not privatised: do not release them). ``overflow`` and
+    ``num_nonfinite`` are the flags :func:`pavejax.privacy.check_step` refuses a step on."""
 
     loss: jax.Array
     num_clipped: jax.Array
     num_nonfinite: jax.Array
+    overflow: jax.Array
 
 
-def init_state(params: PyTree, cfg: MergeTrainConfig) -> TrainState:
-    """Initial :class:`TrainState` (zero previous gradient: the first "reuse" step has e = 0)."""
-    zeros = jax.tree.map(jnp.zeros_like, params)
-    return TrainState(params, make_optimizer(cfg).init(params), zeros)
+class SamBatch(NamedTuple):
+    """What a DP-SAM step reads and does not carry (the ``batch`` of the step protocol).
+
+    ``data``: the task's whole private data set (leaves with leading axis
+    ``cfg.dataset_size``; the step samples its Poisson batches from it); ``frozen``: passed to
+    the loss unchanged; ``anchor_params``: w0 of the anchor (same structure as the params).
+    """
+
+    data: PyTree
+    frozen: PyTree
+    anchor_params: PyTree
+
+
+def init_state(params: PyTree, cfg: MergeTrainConfig,
+               optimizer: optax.GradientTransformation | None = None) -> TrainState:
+    """Initial :class:`TrainState` (zero previous gradient: the first "reuse" step has e = 0);
+    ``optimizer`` (default :func:`make_optimizer` of ``cfg``) must be the step's."""
+    opt = make_optimizer(cfg) if optimizer is None else optimizer
+    return TrainState(params, opt.init(params), jax.tree.map(jnp.zeros_like, params))
 
 
 def _private_mean(loss_fn: LossFn, w: PyTree, frozen: PyTree, batch: PyTree, mask: jax.Array,
-                  key: jax.Array, cfg: MergeTrainConfig, sigma: jax.Array | None, mesh=None):
-    if sigma is None:
-        return noisy_gradient(loss_fn, w, frozen, batch, mask, key, cfg.dp_config(), mesh=mesh)
-    # Traced multiplier (one compilation for many budgets): same mechanism as privatize_sum.
+                  key: jax.Array, cfg: MergeTrainConfig, noise_multiplier: float | jax.Array,
+                  mesh=None):
+    """(noisy mean gradient, ClipResult): clipped sum (sharded over ``mesh``), Gaussian noise
+    of std ``noise_multiplier * C`` once, divided by the expected batch size q N."""
+    clip = ClipConfig(cfg.l2_clip)
     if mesh is None:
-        r = clipped_sum(loss_fn, w, frozen, batch, mask, ClipConfig(cfg.l2_clip))
+        r = clipped_sum(loss_fn, w, frozen, batch, mask, clip)
     else:
-        r = data_parallel_clipped_sum(loss_fn, w, frozen, batch, mask, ClipConfig(cfg.l2_clip),
-                                      mesh)
-    std = jnp.asarray(sigma, jnp.float32) * jnp.float32(cfg.l2_clip)
-    noise = gaussian_noise_like(key, r.grad_sum, 1.0)
-    inv = jnp.float32(1.0 / cfg.batch_size)
-    grad = jax.tree.map(lambda s, n: (s + n * std.astype(s.dtype)) * inv.astype(s.dtype),
-                        r.grad_sum, noise)
-    return grad, StepInfo(r.losses, r.norms, mask, r.num_clipped, r.num_nonfinite)
+        r = data_parallel_clipped_sum(loss_fn, w, frozen, batch, mask, clip, mesh)
+    grad = privatize_sum(r.grad_sum, key, noise_multiplier=noise_multiplier,
+                         sensitivity=cfg.l2_clip, expected_batch_size=cfg.batch_size)
+    return grad, r
 
 
 def dp_sam_step(loss_fn: LossFn, cfg: MergeTrainConfig, state: TrainState, frozen: PyTree,
                 anchor_params: PyTree, batch: PyTree, mask: jax.Array, ascent_batch: PyTree,
                 ascent_mask: jax.Array, key: jax.Array,
-                noise_multiplier: jax.Array | None = None, anchor: jax.Array | None = None, *,
-                mesh: jax.sharding.Mesh | None = None,
-                lr_scale: jax.Array | None = None) -> tuple[TrainState, StepStats]:
-    """One pure, jittable step (see the module docstring); batches are padded with masks.
+                noise_multiplier: float | jax.Array | None = None,
+                anchor: float | jax.Array | None = None, *,
+                optimizer: optax.GradientTransformation | None = None,
+                mesh: jax.sharding.Mesh | None = None) -> tuple[TrainState, StepStats]:
+    """The update of one step on *given* padded batches (pure, jittable; the module docstring's
+    algebra). :func:`make_step` samples the batches and wraps this in the step protocol; call
+    this one directly when the batches come from elsewhere (e.g. each host of a multi-host
+    mesh feeding its rows of one global batch).
 
     ``ascent_batch``/``ascent_mask`` are used only in "fresh" mode (pass the descent batch
     otherwise). ``anchor_params`` is w0 (same structure as ``state.params``).
-    ``noise_multiplier`` overrides ``cfg.resolved_noise_multiplier`` with a traced multiplier
-    (one compilation for several budgets); the caller must then account with
-    ``cfg.step_event(noise_multiplier)`` itself.
-    ``anchor`` likewise overrides ``cfg.anchor`` with a traced lambda (it costs no privacy).
-    ``lr_scale`` multiplies the optimiser's update (a traced learning-rate factor: with
-    ``cfg.learning_rate = 1`` it is the learning rate, so a vmapped sweep compiles once).
+    ``noise_multiplier`` overrides ``cfg.resolved_noise_multiplier`` (it may be traced); the
+    caller accounts for one ``cfg.step_event(noise_multiplier)`` per step.
+    ``anchor`` overrides ``cfg.anchor`` (may be traced; it costs no privacy). ``optimizer``
+    (default :func:`make_optimizer` of ``cfg``) must be the one ``state.opt_state`` was made by.
     With ``mesh`` (a 1-D ``'data'`` mesh) each device clips its share of the batch (whose size
     must be a multiple of the device count) and one ``psum`` joins them before the noise.
+    ``StepStats.overflow`` is False (the batches are given).
     """
+    z = cfg.resolved_noise_multiplier if noise_multiplier is None else noise_multiplier
+    opt = make_optimizer(cfg) if optimizer is None else optimizer
     k_asc, k_desc = jax.random.split(key)
     w = state.params
     if cfg.mode in ("same", "fresh"):
         b, m = (ascent_batch, ascent_mask) if cfg.mode == "fresh" else (batch, mask)
-        direction, _ = _private_mean(loss_fn, w, frozen, b, m, k_asc, cfg, noise_multiplier,
-                                     mesh)
+        direction, _ = _private_mean(loss_fn, w, frozen, b, m, k_asc, cfg, z, mesh)
     elif cfg.mode == "reuse":
         direction = state.prev_grad
     elif cfg.mode == "random":
@@ -338,34 +379,87 @@ def dp_sam_step(loss_fn: LossFn, cfg: MergeTrainConfig, state: TrainState, froze
         w_eval = w
     else:
         w_eval = tree_add(w, ascent_perturbation(direction, cfg.rho))
-    grad, info = _private_mean(loss_fn, w_eval, frozen, batch, mask, k_desc, cfg,
-                               noise_multiplier, mesh)
+    grad, r = _private_mean(loss_fn, w_eval, frozen, batch, mask, k_desc, cfg, z, mesh)
     if anchor is not None or cfg.anchor:
         strength = cfg.anchor if anchor is None else anchor
         total = tree_add(grad, anchor_gradient(w, anchor_params, strength))
     else:
         total = grad
-    updates, opt_state = make_optimizer(cfg).update(total, state.opt_state, w)
-    if lr_scale is not None:
-        updates = jax.tree.map(lambda u: u * jnp.asarray(lr_scale, u.dtype), updates)
+    updates, opt_state = opt.update(total, state.opt_state, w)
     new = TrainState(optax.apply_updates(w, updates), opt_state, grad)
     mf = mask.astype(jnp.float32)
-    loss = jnp.sum(jnp.where(mask, info.losses, 0.0)) / jnp.maximum(jnp.sum(mf), 1.0)
-    return new, StepStats(loss, info.num_clipped, info.num_nonfinite)
+    loss = jnp.sum(jnp.where(mask, r.losses, 0.0)) / jnp.maximum(jnp.sum(mf), 1.0)
+    return new, StepStats(loss, r.num_clipped, r.num_nonfinite, jnp.zeros((), bool))
 
 
-def _shape_config(cfg: MergeTrainConfig) -> MergeTrainConfig:
-    """``cfg`` with the fields the step receives traced (z, lambda) or never reads (K, unless a
-    schedule spans it) fixed."""
-    steps = 1 if _flat_rate(cfg) else cfg.steps
-    return dataclasses.replace(cfg, noise_multiplier=1.0, target_epsilon=None, steps=steps,
-                               anchor=1.0)
+def _check_data(data: PyTree, cfg: MergeTrainConfig) -> None:
+    leaves = jax.tree.leaves(data)
+    n = leaves[0].shape[0] if leaves and leaves[0].ndim else None
+    if n != cfg.dataset_size:
+        raise ValueError(f"data has {n} examples but cfg.dataset_size={cfg.dataset_size}; the "
+                         "sampling rate depends on it, so rebuild the config for this data.")
 
 
-@functools.lru_cache(maxsize=32)
-def _compiled_step(loss_fn: LossFn, cfg: MergeTrainConfig, mesh: jax.sharding.Mesh | None):
-    # Runs that differ only in budget, anchor or length share one compilation.
-    return jax.jit(functools.partial(dp_sam_step, loss_fn, cfg, mesh=mesh))
+def make_step(loss_fn: LossFn, cfg: MergeTrainConfig, *,
+              optimizer: optax.GradientTransformation | None = None,
+              mesh: jax.sharding.Mesh | None = None,
+              noise_multiplier: float | jax.Array | None = None,
+              anchor: float | jax.Array | None = None):
+    """DP-SAM in ``cfg.mode`` as a pure step ``step(state, batch, key) -> (state, Charge,
+    StepStats)`` (the protocol of :mod:`pavejax.training`).
+
+    ``state`` is a :class:`TrainState` (:func:`init_state` with the same ``optimizer``);
+    ``batch`` a :class:`SamBatch` holding the whole data set. Each call samples its Poisson
+    batch (and in "fresh" mode an independent ascent batch) from ``key``, pads it to a
+    multiple of the mesh size, runs :func:`dp_sam_step` with the rest of ``key`` and returns
+    the ``pavejax.training.Charge`` of the step (``cfg.step_event(z)``, label
+    ``"dp-merging/<mode>"``) and its :class:`StepStats`, whose ``overflow`` and
+    ``num_nonfinite`` the caller must check (:func:`pavejax.privacy.check_step`) before keeping
+    the new state. :func:`train_task` is this step under :func:`pavejax.training.run`.
+
+    Args:
+      loss_fn: per-example loss ``(params, frozen, example) -> scalar``.
+      cfg: the :class:`MergeTrainConfig` (mode, sampling, clipping, rho, anchor, optimiser).
+      optimizer: any ``optax.GradientTransformation`` (default :func:`make_optimizer`); it sees
+        the noisy gradient plus the anchor's gradient.
+      mesh: a 1-D ``'data'`` mesh: each device clips its share of every batch.
+      noise_multiplier: z (default ``cfg.resolved_noise_multiplier``). A traced z (e.g. the
+        step built inside a ``jax.vmap`` over several z) makes the charge's event None: the
+        caller then accounts for each z itself (``cfg.step_event(z)`` per step; see
+        :func:`train_many`).
+      anchor: lambda of the anchor (default ``cfg.anchor``; may be traced, costs no privacy).
+
+    Example:
+      >>> step = make_step(loss_fn, cfg)
+      >>> state = init_state(params, cfg)
+      >>> state, charge, stats = jax.jit(step)(state, SamBatch(data, None, params), key)
+      >>> pavejax.privacy.check_step(stats); ledger.record(charge.event)
+    """
+    opt = make_optimizer(cfg) if optimizer is None else optimizer
+    z = cfg.resolved_noise_multiplier if noise_multiplier is None else noise_multiplier
+    event = None if isinstance(z, jax.core.Tracer) else cfg.step_event(float(z))
+    sampling, label = cfg.sampling, f"dp-merging/{cfg.mode}"
+    multiple = 1 if mesh is None else mesh.size
+
+    def draw(key, data):
+        d = sampling.sample(key)
+        b, m = pad_batch(take_batch(data, d.indices), d.mask, multiple)
+        return b, m, d.overflow
+
+    def step(state: TrainState, batch: SamBatch, key: jax.Array):
+        _check_data(batch.data, cfg)
+        k_draw, k_ascent_draw, k_step = jax.random.split(key, 3)
+        b, m, overflow = draw(k_draw, batch.data)
+        if cfg.mode == "fresh":  # the ascent query gets its own, independent Poisson batch
+            ab, am, ascent_overflow = draw(k_ascent_draw, batch.data)
+            overflow = overflow | ascent_overflow
+        else:
+            ab, am = b, m
+        state, stats = dp_sam_step(loss_fn, cfg, state, batch.frozen, batch.anchor_params, b, m,
+                                   ab, am, k_step, z, anchor, optimizer=opt, mesh=mesh)
+        return state, Charge(event, jnp.float32(0), label), stats._replace(overflow=overflow)
+
+    return step
 
 
 class TrainResult(NamedTuple):
@@ -374,14 +468,6 @@ class TrainResult(NamedTuple):
     params: PyTree
     ledger: Ledger
     losses: list[float]
-
-
-def _ledger(cfg: MergeTrainConfig, event: dp_event.DpEvent, steps: int) -> Ledger:
-    # One entry of count k: composes identically to k entries and is k times cheaper to query.
-    ledger = Ledger(cfg.relation, accountant=cfg.accountant)
-    if steps:
-        ledger.record(event, count=steps, label=f"dp-merging/{cfg.mode}")
-    return ledger
 
 
 def _run(cfg: MergeTrainConfig, params: PyTree, anchor_params: PyTree) -> dict[str, Any]:
@@ -393,69 +479,158 @@ def _run(cfg: MergeTrainConfig, params: PyTree, anchor_params: PyTree) -> dict[s
                       params=tree_fingerprint(params), anchor=tree_fingerprint(anchor_params))
 
 
-def train_task(loss_fn: LossFn, params: PyTree, frozen: PyTree, data: PyTree, key: jax.Array,
-               cfg: MergeTrainConfig, *, anchor_params: PyTree | None = None,
+def _task_step(loss_fn: LossFn, cfg: MergeTrainConfig, mesh: jax.sharding.Mesh | None):
+    # The driver caches a compilation per step object: runs whose steps are the same (equal
+    # resolved z; the same length unless a schedule spans it) share one.
+    steps = 1 if _flat_rate(cfg) else cfg.steps
+    return _cached_step(loss_fn, dataclasses.replace(
+        cfg, noise_multiplier=cfg.resolved_noise_multiplier, target_epsilon=None, steps=steps),
+        mesh)
+
+
+@functools.lru_cache(maxsize=32)
+def _cached_step(loss_fn: LossFn, cfg: MergeTrainConfig, mesh: jax.sharding.Mesh | None):
+    return make_step(loss_fn, cfg, mesh=mesh)
+
+
+def train_task(loss_fn: LossFn, params: PyTree, frozen: PyTree, data: PyTree,
+               key: jax.Array | None, cfg: MergeTrainConfig, *,
+               anchor_params: PyTree | None = None,
                callback: Callable[[int, TrainState], None] | None = None,
                checkpointer: TrainCheckpointer | None = None,
-               mesh: jax.sharding.Mesh | None = None) -> TrainResult:
-    """Fine-tunes ``params`` on ``data`` (leaves with leading axis N) for ``cfg.steps`` steps.
+               mesh: jax.sharding.Mesh | None = None, steps_per_call: int = 1,
+               progress: bool = False) -> TrainResult:
+    """Fine-tunes ``params`` on ``data`` (leaves with leading axis N) for ``cfg.steps`` steps:
+    :func:`make_step` under :func:`pavejax.training.run` (step t's key is
+    ``jax.random.fold_in(key, t)``).
 
     ``params`` may be full weights or LoRA factors (any pytree the loss differentiates).
     ``anchor_params`` defaults to the initial ``params`` (w0). The returned ledger holds
-    ``cfg.step_event()`` times ``cfg.steps`` (label ``"dp-merging/<mode>"``), so
-    ``result.ledger.epsilon(cfg.delta)`` is the run's guarantee. Raises ``ValueError`` if a
-    real example produced a non-finite loss or gradient.
+    ``cfg.step_event()`` for each of the ``cfg.steps`` steps (label ``"dp-merging/<mode>"``),
+    so ``result.ledger.epsilon(cfg.delta)`` is the run's guarantee. Raises ``ValueError`` when
+    ``data`` does not have ``cfg.dataset_size`` examples and when a real example produced a
+    non-finite loss or gradient (:class:`pavejax.privacy.NonFiniteError`), and
+    :class:`pavejax.privacy.BatchOverflowError` when a Poisson draw overflowed its padded batch
+    (``cfg.max_batch``); nothing of the refused call is kept.
 
     With ``checkpointer`` the run resumes from its latest checkpoint (parameters, optimiser
-    state, PRNG key, ledger, losses) and saves every ``checkpointer.every`` steps, so a killed
-    and resumed run ends bit-identical to an uninterrupted one; a checkpointer budget is
-    enforced before the first step (``BudgetExceededError``). With ``mesh`` (a 1-D ``'data'``
-    mesh, e.g. :func:`pavejax.privacy.data_mesh`) the batch is sharded over the devices and
-    per-example clipping runs on each shard; the result equals one device up to float
-    summation order.
+    state, key, ledger, losses; pass the same key or None) and saves every
+    ``checkpointer.every`` steps, so a killed and resumed run ends bit-identical to an
+    uninterrupted one and its ledger never rewinds; a checkpointer budget is enforced before
+    the first step (``BudgetExceededError``). With ``mesh`` (a 1-D ``'data'`` mesh, e.g.
+    :func:`pavejax.privacy.data_mesh`) the batch is sharded over the devices and per-example
+    clipping runs on each shard; the result equals one device up to float summation order.
+    ``steps_per_call`` steps run in one compiled ``lax.scan``; ``callback(t, state)`` runs
+    after each call (t = steps done). ``progress`` shows a progress bar.
     """
-    n = jax.tree.leaves(data)[0].shape[0]
-    if n != cfg.dataset_size:
-        raise ValueError(f"data has {n} examples but cfg.dataset_size={cfg.dataset_size}; the "
-                         "sampling rate depends on it, so rebuild the config for this data.")
+    _check_data(data, cfg)
     anchor_params = params if anchor_params is None else anchor_params
-    sampling = cfg.dp_config().sampling
-    step = _compiled_step(loss_fn, _shape_config(cfg), mesh)
-    z, anchor = jnp.float32(cfg.resolved_noise_multiplier), jnp.float32(cfg.anchor)
-    event = cfg.step_event()
-    multiple = 1 if mesh is None else mesh.size
-    state, losses, start, run, budget = init_state(params, cfg), [], 0, None, None
-    if checkpointer is not None:
-        run = _run(cfg, params, anchor_params)
-        ckpt = checkpointer.restore_latest(state, run=run, key_like=key)
-        budget = resolve_budget(ckpt and ckpt.budget, checkpointer.budget)
-        if ckpt is not None:
-            if ckpt.step > cfg.steps:
-                raise ValueError(f"the checkpoint is at step {ckpt.step}, past cfg.steps="
-                                 f"{cfg.steps}; a run cannot be shortened after the fact")
-            state, key, start = TrainState(*ckpt.arrays), ckpt.key, ckpt.step
-            losses = list(ckpt.mechanism["losses"])
-        enforce_budget(_ledger(cfg, event, start), budget, event, cfg.steps - start)
-    if mesh is not None:  # placed once: a step's inputs keep one sharding, so one compilation
-        state, frozen, anchor_params = replicate((state, frozen, anchor_params), mesh)
-    for k in range(start, cfg.steps):
-        key, k_s1, k_s2, k_step = jax.random.split(key, 4)
-        idx, mask = sampling.sample(k_s1)
-        batch, mask = pad_batch(take_batch(data, idx), mask, multiple)
-        if cfg.mode == "fresh":
-            idx2, mask2 = sampling.sample(k_s2)
-            batch2, mask2 = pad_batch(take_batch(data, idx2), mask2, multiple)
-        else:
-            batch2, mask2 = batch, mask
-        state, stats = step(state, frozen, anchor_params, batch, mask, batch2, mask2, k_step,
-                            z, anchor)
-        if int(stats.num_nonfinite):
-            raise ValueError(f"step {k}: {int(stats.num_nonfinite)} example(s) gave a NaN/Inf "
-                             "loss or gradient; check the inputs and lower the learning rate.")
-        losses.append(float(stats.loss))
-        if callback is not None:
-            callback(k, state)
-        if checkpointer is not None and checkpointer.should_save(k + 1, k + 1 == cfg.steps):
-            checkpointer.save(Checkpoint(k + 1, state, key, _ledger(cfg, event, k + 1), run,
-                                         {"losses": losses}, budget))
-    return TrainResult(state.params, _ledger(cfg, event, cfg.steps), losses)
+    batch, place = SamBatch(data, frozen, anchor_params), None
+    if mesh is not None:  # placed once: every call keeps one sharding, so one compilation
+        batch, place = replicate(batch, mesh), functools.partial(replicate, mesh=mesh)
+    out = training.run(
+        _task_step(loss_fn, cfg, mesh), init_state(params, cfg), key, cfg.steps, batch=batch,
+        ledger=Ledger(cfg.relation, accountant=cfg.accountant), checkpointer=checkpointer,
+        run_record=None if checkpointer is None else _run(cfg, params, anchor_params),
+        steps_per_call=steps_per_call, check=check_step, metric=lambda st: st.loss,
+        callback=callback, place=place, progress=progress, desc=f"dp-merging/{cfg.mode}")
+    return TrainResult(out.state.params, out.ledger, out.metrics)
+
+
+# ------------------------------------------------------------------ many runs in one program
+
+
+class ManyResult(NamedTuple):
+    """Outcome of :func:`train_many`: ``params`` with leading axes (R, T) (run, task),
+    ``stats`` (:class:`StepStats`, leading axes (R, T, K)) and one ledger per run (the
+    guarantee of each of its T task models, each on its own data set)."""
+
+    params: PyTree
+    stats: StepStats
+    ledgers: list[Ledger]
+
+
+@functools.lru_cache(maxsize=16)
+def _many_program(loss_fn: LossFn, cfg: MergeTrainConfig, post: Callable | None):
+    def one(key, frozen, data, params, anchor_params, z, anchor, lr):
+        opt = make_optimizer(cfg, learning_rate=lr)
+        inner = make_step(loss_fn, cfg, optimizer=opt, noise_multiplier=z, anchor=anchor)
+
+        def step(state, batch, k):
+            state, charge, stats = inner(state, batch, k)
+            return (state if post is None else post(state, batch)), charge, stats
+
+        state, _, stats = training.scan_steps(step, init_state(params, cfg, opt),
+                                              SamBatch(data, frozen, anchor_params),
+                                              training.step_keys(key, 0, cfg.steps))
+        return state.params, stats
+
+    tasks = jax.vmap(one, in_axes=(0, 0, 0, None, None, None, None, None))
+    return jax.jit(jax.vmap(tasks, in_axes=(0, None, None, None, None, 0, 0, 0)))
+
+
+def _per_run(name: str, values: Any, runs: int) -> np.ndarray:
+    v = np.asarray(values, np.float64)
+    if v.shape != (runs,) or not np.all(np.isfinite(v)) or np.any(v < 0):
+        raise ValueError(f"{name} must be {runs} finite numbers >= 0 (one per row of keys), "
+                         f"got {values!r}")
+    return v
+
+
+def train_many(loss_fn: LossFn, cfg: MergeTrainConfig, params: PyTree, frozen: PyTree,
+               data: PyTree, keys: jax.Array, *, noise_multipliers: Any = None,
+               anchors: Any = None, learning_rates: Any = None,
+               anchor_params: PyTree | None = None,
+               post: Callable[[TrainState, SamBatch], TrainState] | None = None) -> ManyResult:
+    """R runs x T tasks of ``cfg.steps`` DP-SAM steps each, in one compiled ``lax.scan``
+    vmapped over runs and tasks (a sweep over budgets, anchors and learning rates compiles
+    once). Run r, task t equals :func:`train_task` on task t's data with key ``keys[r, t]``
+    and ``cfg`` with z, lambda and the peak rate of run r (same steps and keys; float
+    rounding of the vmapped program aside).
+
+    Args:
+      loss_fn, cfg: as in :func:`make_step` (``cfg.noise_multiplier``, ``cfg.anchor`` and
+        ``cfg.learning_rate`` are the defaults of the per-run values below).
+      params: the initial parameters, shared by every run and task; ``anchor_params`` (w0 of
+        the anchor) defaults to them.
+      frozen: per-task frozen inputs of the loss, leaves with leading axis T (None for none).
+      data: the T private data sets, leaves with leading axes (T, cfg.dataset_size).
+      keys: (R, T) PRNG keys (use :func:`pavejax.privacy.fresh_key` for releases).
+      noise_multipliers, anchors, learning_rates: (R,) per-run z, lambda and peak learning
+        rate (traced in the program).
+      post: optional pure ``post(state, batch) -> state`` applied after every step (e.g. to
+        reset parameters a task does not own); it must not read data (it runs after the
+        release, as post-processing).
+
+    Returns a :class:`ManyResult`. Every step's flags are checked on the host once the program
+    has run (:func:`pavejax.privacy.check_step`: ``BatchOverflowError`` or
+    ``NonFiniteError``, and nothing is returned). ``ledgers[r]`` holds ``cfg.step_event(z_r)``
+    for each of the ``cfg.steps`` steps: the guarantee of every model of run r.
+    """
+    if not (isinstance(keys, jax.Array) and jax.dtypes.issubdtype(keys.dtype,
+                                                                  jax.dtypes.prng_key)
+            and keys.ndim == 2):
+        raise ValueError("keys must be an (R, T) array of typed PRNG keys (runs x tasks), got "
+                         f"{getattr(keys, 'dtype', type(keys))} of shape {np.shape(keys)}")
+    runs, tasks = keys.shape
+    got = {leaf.shape[:2] for leaf in jax.tree.leaves(data)}
+    if got != {(tasks, cfg.dataset_size)}:
+        raise ValueError(f"every data leaf must have leading axes (T, N) = ({tasks}, "
+                         f"{cfg.dataset_size}) (T from keys, N = cfg.dataset_size); got {got}")
+    if noise_multipliers is None:
+        noise_multipliers = [cfg.resolved_noise_multiplier] * runs
+    zs = _per_run("noise_multipliers", noise_multipliers, runs)
+    lams = _per_run("anchors", [cfg.anchor] * runs if anchors is None else anchors, runs)
+    lrs = _per_run("learning_rates",
+                   [cfg.learning_rate] * runs if learning_rates is None else learning_rates, runs)
+    anchor_params = params if anchor_params is None else anchor_params
+    out, stats = _many_program(loss_fn, cfg, post)(
+        keys, frozen, data, params, anchor_params,
+        *(jnp.asarray(v, jnp.float32) for v in (zs, lams, lrs)))
+    check_step(stats)
+    ledgers = []
+    for z in zs:
+        ledger = Ledger(cfg.relation, accountant=cfg.accountant)
+        ledger.record(cfg.step_event(float(z)), count=cfg.steps, label=f"dp-merging/{cfg.mode}")
+        ledgers.append(ledger)
+    return ManyResult(out, stats, ledgers)
