@@ -18,7 +18,7 @@ import numpy as np
 from pavejax import lora
 from pavejax.pave import spec as S
 from pavejax.pave.text import TextSpecBackbone
-from pavejax.privacy import clipping, per_example_norms
+from pavejax.privacy import clip_coefficients, per_example_norms
 
 
 def over_market(fn, market) -> tuple[list, list]:
@@ -42,12 +42,12 @@ def weight_grads_fn(tb: TextSpecBackbone, paths: Sequence[str]):
         merged = jax.tree_util.tree_map_with_path(
             lambda kp, leaf: w.get(lora.path_string(kp), leaf), params)
         x = {k: v[None] for k, v in ex.items() if k != "__target"}
-        return S._cross_entropy(logits_fn(merged, x, head), ex["__target"][None])[0]
+        return S.soft_cross_entropy(logits_fn(merged, x, head), ex["__target"][None])[0]
 
     def grads(head, batch):
         sel = {p: w for p, w in lora.named_leaves(params).items() if p in wanted}
         g = jax.vmap(jax.grad(example_loss), in_axes=(None, None, 0))(sel, head, batch)
-        return {p: v.reshape((v.shape[0],) + lora._as_matrix(v.shape[1:])) for p, v in g.items()}
+        return {p: v.reshape((v.shape[0],) + lora.matrix_shape(v.shape[1:])) for p, v in g.items()}
 
     return grads
 
@@ -69,7 +69,7 @@ def clipped_sums(gb: dict, mask: jax.Array, clip: float) -> tuple[dict, jax.Arra
     """Sum over the microbatch of per-example ``B`` gradients ``gb`` ({path: (b, r, d_out)})
     clipped jointly to ``clip`` with the DP engine's coefficients, and the per-example norms."""
     norms = per_example_norms(gb)
-    coef = jnp.where(mask & jnp.isfinite(norms), clipping._scale(norms, clip), 0.0)
+    coef = jnp.where(mask & jnp.isfinite(norms), clip_coefficients(norms, clip), 0.0)
     return {p: jnp.einsum("b,bro->ro", coef, v) for p, v in gb.items()}, norms
 
 

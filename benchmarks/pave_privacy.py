@@ -172,7 +172,7 @@ class Sums:
 
     One pass: the per-example gradient g_i of each adapted kernel W (at B = 0, the merged weights
     are W) gives both sums, because the gradient of B there is ``scale * A^T g_i``. The clipped sum
-    uses the DP engine's joint clipping coefficients (:func:`pavejax.privacy.clipping._scale` on
+    uses the DP engine's joint clipping coefficients (:func:`pavejax.privacy.clip_coefficients` on
     :func:`per_example_norms`); ``parity_dp_eps4`` checks it against ``generate_spec``."""
 
     def __init__(self, tb: TextSpecBackbone, a_key: jax.Array, cfg: Config):

@@ -115,7 +115,8 @@ class LoraConfig:
         return self.alpha / self.rank
 
 
-def _as_matrix(shape: tuple[int, ...]) -> tuple[int, int]:
+def matrix_shape(shape: tuple[int, ...]) -> tuple[int, int]:
+    """(d_in, d_out) of a kernel of ``shape`` seen as a matrix: all leading axes are inputs."""
     return math.prod(shape[:-1]), shape[-1]
 
 
@@ -184,7 +185,7 @@ def init_lora(key: jax.Array, params: PyTree, predicate: Predicate,
         raise TypeError(f"config must be a LoraConfig, got {type(config).__name__}.")
     paths = select_paths(params, predicate)
     leaves = named_leaves(params)
-    dims = {p: _as_matrix(np.shape(leaves[p])) for p in paths}
+    dims = {p: matrix_shape(np.shape(leaves[p])) for p in paths}
     too_small = [f"{p!r} {np.shape(leaves[p])}" for p, (i, o) in dims.items()
                  if config.rank > min(i, o)]
     if too_small:
@@ -245,7 +246,7 @@ def apply_lora(params: PyTree, B: Mapping[str, jax.Array], A: Mapping[str, jax.A
         raise ValueError(f"paths {missing} are not leaves of params; the factors were made for "
                          f"another params structure.")
     for p in B:
-        d_in, d_out = _as_matrix(np.shape(leaves[p]))
+        d_in, d_out = matrix_shape(np.shape(leaves[p]))
         if (np.shape(A[p])[0], np.shape(B[p])[1]) != (d_in, d_out):
             raise ValueError(f"at {p!r} the leaf {np.shape(leaves[p])} needs A ({d_in}, r) and "
                              f"B (r, {d_out}), got A {np.shape(A[p])} and B {np.shape(B[p])}.")

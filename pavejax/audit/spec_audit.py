@@ -146,7 +146,7 @@ class SpecSampler:
                 continue
             ledger = Ledger(relation, accountant=priv.accountant)
             for _ in range(self.config.steps):  # one entry per step, as generate_spec does
-                ledger.record(dp.config.step_event(), label="dp-s-pave")
+                ledger.record(dp.dp_config.step_event(), label="dp-s-pave")
             out.append(ledger)
         return out[0], out[1]
 

@@ -82,6 +82,7 @@ __all__ = [
     "generate_spec",
     "hard_targets",
     "model_spec",
+    "soft_cross_entropy",
     "soft_targets",
     "spec_dp_plan",
     "spec_signature",
@@ -376,7 +377,9 @@ def _spec_vector(B: Mapping[str, jax.Array], A: Mapping[str, jax.Array],
     return np.concatenate(blocks)
 
 
-def _cross_entropy(logits: jax.Array, target: jax.Array) -> jax.Array:
+def soft_cross_entropy(logits: jax.Array, target: jax.Array) -> jax.Array:
+    """Cross-entropy of ``logits`` to probability ``target`` rows (the spec's fitting loss),
+    in float32, over the last axis."""
     return -jnp.sum(target * jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1), axis=-1)
 
 
@@ -505,7 +508,7 @@ def _example_losses(logits_fn: LogitsFn, lcfg: lora.LoraConfig, b: dict, frozen:
     A, params, aux = frozen
     merged = lora.apply_lora(params, b, jax.lax.stop_gradient(A), lcfg)
     x = {k: v for k, v in batch.items() if k != "__target"}
-    return _cross_entropy(logits_fn(merged, x, aux), batch["__target"])
+    return soft_cross_entropy(logits_fn(merged, x, aux), batch["__target"])
 
 
 @functools.cache

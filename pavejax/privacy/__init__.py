@@ -10,6 +10,7 @@ from pavejax.privacy.clipping import (
     ClipConfig as ClipConfig,
     ClipResult as ClipResult,
     check_microbatch_size as check_microbatch_size,
+    clip_coefficients as clip_coefficients,
     clip_per_example as clip_per_example,
     clipped_sum as clipped_sum,
     leaf_paths as leaf_paths,

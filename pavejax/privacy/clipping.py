@@ -120,20 +120,22 @@ def clip_per_example(grads: PyTree, l2_clip: float, *, clipping: str = "joint"):
     """
     norms = per_example_norms(grads)
     if clipping == "joint":
-        scale = _scale(norms, l2_clip)
+        scale = clip_coefficients(norms, l2_clip)
         clipped = jax.tree.map(lambda g: g * _bcast(scale, g).astype(g.dtype), grads)
         return clipped, norms, scale
     finite = jnp.isfinite(norms)
 
     def _leaf(g):
         n = per_example_norms(g)
-        return g * _bcast(jnp.where(finite, _scale(n, l2_clip), 0.0), g).astype(g.dtype)
+        return g * _bcast(jnp.where(finite, clip_coefficients(n, l2_clip), 0.0), g).astype(g.dtype)
 
     clipped = jax.tree.map(_leaf, grads)
-    return clipped, norms, jnp.where(finite, _scale(norms, l2_clip), 0.0)
+    return clipped, norms, jnp.where(finite, clip_coefficients(norms, l2_clip), 0.0)
 
 
-def _scale(norms: jax.Array, l2_clip: float) -> jax.Array:
+def clip_coefficients(norms: jax.Array, l2_clip: float) -> jax.Array:
+    """Per-example joint clipping factors ``min(1, C / ||g_i||)`` from the norms; 0 where a norm
+    is not finite (such an example contributes nothing). Multiply example i's gradient by it."""
     c = jnp.float32(l2_clip)
     safe = jnp.where(jnp.isfinite(norms), norms, jnp.float32(1.0))
     scale = jnp.minimum(jnp.float32(1.0), c / jnp.maximum(safe, jnp.float32(1e-30)))
@@ -200,12 +202,12 @@ def _chunk_clipped_sum(loss_fn, trainable, frozen, batch, mask, cfg: ClipConfig)
     finite = jnp.isfinite(norms) & jnp.isfinite(losses)
     keep = mask & finite
     if cfg.clipping == "joint":
-        coefs = jax.tree.map(lambda _: jnp.where(keep, _scale(norms, cfg.l2_clip), 0.0), grads)
-        scale = jnp.where(keep, _scale(norms, cfg.l2_clip), 1.0)
+        coefs = jax.tree.map(lambda _: jnp.where(keep, clip_coefficients(norms, cfg.l2_clip), 0.0), grads)
+        scale = jnp.where(keep, clip_coefficients(norms, cfg.l2_clip), 1.0)
     else:
         coefs = jax.tree.map(
-            lambda g: jnp.where(keep, _scale(per_example_norms(g), cfg.l2_clip), 0.0), grads)
-        scale = jnp.where(keep, _scale(norms, cfg.l2_clip), 1.0)
+            lambda g: jnp.where(keep, clip_coefficients(per_example_norms(g), cfg.l2_clip), 0.0), grads)
+        scale = jnp.where(keep, clip_coefficients(norms, cfg.l2_clip), 1.0)
 
     def fast(grads):
         return _weighted_sum(trainable, grads, coefs, rows)
