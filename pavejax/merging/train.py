@@ -429,11 +429,23 @@ def make_step(loss_fn: LossFn, cfg: MergeTrainConfig, *,
         :func:`train_many`).
       anchor: lambda of the anchor (default ``cfg.anchor``; may be traced, costs no privacy).
 
-    Example:
-      >>> step = make_step(loss_fn, cfg)
-      >>> state = init_state(params, cfg)
-      >>> state, charge, stats = jax.jit(step)(state, SamBatch(data, None, params), key)
-      >>> pavejax.privacy.check_step(stats); ledger.record(charge.event)
+    Example (your own loop; step t keyed ``fold_in(key, t)`` as :func:`train_task` does):
+      >>> import jax, jax.numpy as jnp
+      >>> from pavejax.accounting import Ledger
+      >>> from pavejax.privacy import check_step
+      >>> def loss_fn(params, frozen, example):
+      ...     return 0.5 * jnp.sum(jnp.square(params["w"] - example["x"]))
+      >>> data, params = {"x": jnp.ones((32, 3))}, {"w": jnp.zeros(3)}
+      >>> cfg = MergeTrainConfig(dataset_size=32, steps=3, noise_multiplier=1.0, batch_size=8)
+      >>> step, state = jax.jit(make_step(loss_fn, cfg)), init_state(params, cfg)
+      >>> ledger, key = Ledger("add_remove"), jax.random.key(0)
+      >>> for t in range(cfg.steps):
+      ...     state, charge, stats = step(state, SamBatch(data, None, params),
+      ...                                 jax.random.fold_in(key, t))
+      ...     check_step(stats)  # raises on an overflow or a non-finite example
+      ...     _ = ledger.record(charge.event, label=charge.label)
+      >>> sum(e.count for e in ledger.entries), charge.label
+      (3, 'dp-merging/same')
     """
     opt = make_optimizer(cfg) if optimizer is None else optimizer
     z = cfg.resolved_noise_multiplier if noise_multiplier is None else noise_multiplier
