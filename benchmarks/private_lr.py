@@ -90,10 +90,10 @@ def run(s: Settings) -> tuple[dict[str, Any], list[dict[str, Any]], dict[str, An
     chosen = max(s.rates, key=lambda lr: means[lr])
     summary = {"chosen_lr": chosen, **{f"dev_{lr:g}": m for lr, m in means.items()},
                "dev_recipe_nonprivate": statistics.fmean(reference),
-               "epsilon": cfg.dev_epsilon}
+               "epsilon": cfg.dev_target_epsilon}
     config = {"rates": list(s.rates), "draws": s.draws, "dev_size": s.dev_size,
               "developers": list(cfg.developers), "dev_steps": cfg.dev_steps,
-              "dev_batch": cfg.dev_batch, "dev_epsilon": cfg.dev_epsilon,
+              "dev_batch": cfg.dev_batch, "dev_target_epsilon": cfg.dev_target_epsilon,
               "dev_mode": cfg.dev_mode, "dev_l2_clip": cfg.dev_l2_clip, "seq_len": cfg.seq_len,
               "recipes": {t: recipes.tuned(t, "head").to_dict() for t in cfg.developers}}
     return config, rows, summary

@@ -21,12 +21,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dock", type=Path, default=None,
                    help="use this dock directory (created if missing; developers already in "
                         "it are reused instead of retrained)")
-    p.add_argument("--epsilon", type=float, default=d.dev_epsilon,
+    p.add_argument("--epsilon", type=float, default=d.dev_target_epsilon,
                    help="developers' DP-Merging budget: (epsilon, delta)-DP of each developer "
                         "model with respect to replacing one of its training examples "
                         "(dataset sizes are public); smaller means more noise and stronger "
                         "privacy")
-    p.add_argument("--spec-epsilon", type=float, default=d.spec_epsilon,
+    p.add_argument("--spec-epsilon", type=float, default=d.spec_target_epsilon,
                    help="DP-S-PAVE budget of each released spec: (epsilon, delta)-DP with "
                         "respect to replacing one training example (the report also composes "
                         "it with the model's budget, replace-one)")
@@ -47,8 +47,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def config_from_args(ns: argparse.Namespace) -> LifecycleConfig:
     """The :class:`LifecycleConfig` the flags describe."""
-    common = dict(dev_epsilon=ns.epsilon, spec_epsilon=ns.spec_epsilon, delta=ns.delta,
-                  user_task=ns.user_task, seed=ns.seed, out_dir=str(ns.out),
+    common = dict(dev_target_epsilon=ns.epsilon, spec_target_epsilon=ns.spec_epsilon,
+                  delta=ns.delta, user_task=ns.user_task, seed=ns.seed, out_dir=str(ns.out),
                   dock_dir=None if ns.dock is None else str(ns.dock))
     if ns.full:
         return LifecycleConfig.full(**common)

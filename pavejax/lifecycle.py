@@ -3,11 +3,11 @@
 On the real all-MiniLM-L6-v2 and real text (sentiment domains and BBC topics):
 
 1. **Developers** (one per task of ``developers``) fine-tune a task model with DP-Merging
-   (same-batch DP-SAM + anchor, ``dev_epsilon``): a classification head on the frozen
+   (same-batch DP-SAM + anchor, ``dev_target_epsilon``): a classification head on the frozen
    backbone's mean-pooled features (cached once), from a public, label-keyed initial head shared
    by every developer of a label space, so that models merge. Each releases a **DP-S-PAVE**
    spec of its model (one full-batch Gaussian step on LoRA ``B`` factors of the backbone,
-   ``spec_epsilon``, replace-one) and submits spec + model to a
+   ``spec_target_epsilon``, replace-one) and submits spec + model to a
    :class:`~pavejax.pave.dock.Dock` on disk.
 2. **The user** (a few-shot private task ``user_task``) builds a spec of its few shots with the
    dock's key (it never leaves the user's process), searches the dock, merges the top-K models
@@ -49,8 +49,8 @@ class LifecycleConfig:
     user_shots: int = 16
     user_pool: int = 256
     user_test: int = 512
-    dev_epsilon: float = 4.0
-    spec_epsilon: float = 4.0
+    dev_target_epsilon: float = 4.0
+    spec_target_epsilon: float = 4.0
     delta: float = 1e-5
     dev_steps: int = 300
     dev_batch: int = 32
@@ -85,7 +85,7 @@ class LifecycleConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
-        for name in ("dev_epsilon", "spec_epsilon"):
+        for name in ("dev_target_epsilon", "spec_target_epsilon"):
             v = getattr(self, name)
             if not isinstance(v, int | float) or not v > 0 or math.isnan(v):
                 raise ValueError(f"{name} must be > 0 (math.inf: no noise), got {v!r}")
@@ -155,7 +155,7 @@ def train_developer(cfg: LifecycleConfig, task_name: str, noise_key: jax.Array |
     # and the peak rate dev_lr (re-tuned under noise).
     mcfg = mt.MergeTrainConfig.from_recipe(
         recipes.tuned(task_name, "head"), dataset_size=n, steps=cfg.dev_steps,
-        learning_rate=cfg.dev_lr, mode=cfg.dev_mode, target_epsilon=cfg.dev_epsilon,
+        learning_rate=cfg.dev_lr, mode=cfg.dev_mode, target_epsilon=cfg.dev_target_epsilon,
         delta=cfg.delta, l2_clip=cfg.dev_l2_clip, batch_size=min(cfg.dev_batch, n),
         relation="replace_one", accountant="pld")
     params0 = head0(int(train["x"].shape[1]), classes)
@@ -173,7 +173,7 @@ def developer_spec(cfg: LifecycleConfig, tb, a_key, params, classes, train, text
     m = min(cfg.spec_examples, len(texts))
     logits = np.asarray(apply_head(params, train["x"][:m]))
     spec_cfg = SpecConfig.preset("one_step", rank=cfg.spec_rank, progress=False,
-                                 privacy=PrivacyConfig(target_epsilon=cfg.spec_epsilon,
+                                 privacy=PrivacyConfig(target_epsilon=cfg.spec_target_epsilon,
                                                        l2_clip=cfg.spec_l2_clip, sampling="full",
                                                        accountant="rdp", delta=cfg.delta),
                                  microbatch_size=32)
@@ -217,10 +217,10 @@ def run_lifecycle(cfg: LifecycleConfig, log: Callable[[str], None] = print) -> d
                                 "own_test_accuracy": meta.get("own_test_accuracy")}
             stage(f"developer {name}: already in the dock, reused")
             continue
-        stage(f"developer {name}: DP-Merging fine-tuning (epsilon {cfg.dev_epsilon})")
+        stage(f"developer {name}: DP-Merging fine-tuning (epsilon {cfg.dev_target_epsilon})")
         params, classes, train, texts, acc, res, mcfg = train_developer(cfg, name)
         stage(f"developer {name}: own test accuracy {acc:.3f}; DP-S-PAVE spec "
-              f"(epsilon {cfg.spec_epsilon})")
+              f"(epsilon {cfg.spec_target_epsilon})")
         spec = developer_spec(cfg, tb, a_key, params, classes, train, texts, name)
         g = spec.spec.info["guarantee"]
         total = res.ledger.compose(spec.ledger)

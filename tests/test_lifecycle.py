@@ -24,8 +24,8 @@ def _args(tmp_path, *extra):
 def test_config_validation():
     with pytest.raises(ValueError, match="must not be a developer task"):
         LifecycleConfig(user_task="movie")
-    with pytest.raises(ValueError, match="dev_epsilon must be > 0"):
-        LifecycleConfig(dev_epsilon=0.0)
+    with pytest.raises(ValueError, match="dev_target_epsilon must be > 0"):
+        LifecycleConfig(dev_target_epsilon=0.0)
     with pytest.raises(ValueError, match="delta must be in"):
         LifecycleConfig(delta=1.0)
 
@@ -49,8 +49,8 @@ def test_quick_demo_writes_report_summary_and_ledgers(tmp_path):
     ledger = on_disk["ledger"]
     for name in cfg.developers:
         dev = ledger[f"developer/{name}"]
-        assert dev["model"]["epsilon"] <= cfg.dev_epsilon + 1e-6
-        assert dev["spec"]["epsilon"] <= cfg.spec_epsilon + 1e-6
+        assert dev["model"]["epsilon"] <= cfg.dev_target_epsilon + 1e-6
+        assert dev["spec"]["epsilon"] <= cfg.spec_target_epsilon + 1e-6
         # model and spec read the same data: the composition costs more than either alone
         assert dev["composed"]["epsilon"] > dev["model"]["epsilon"]
         assert dev["composed"]["relation"] == dev["model"]["relation"] == "replace_one"

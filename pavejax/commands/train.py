@@ -68,7 +68,7 @@ def run(ns: argparse.Namespace) -> int:
 
     cfg = sh.lifecycle_config(developers=(ns.task,), seq_len=ns.seq_len,
                               dev_train=ns.train_size, dev_test=ns.test_size,
-                              dev_epsilon=ns.epsilon, delta=ns.delta, dev_steps=ns.steps,
+                              dev_target_epsilon=ns.epsilon, delta=ns.delta, dev_steps=ns.steps,
                               dev_batch=ns.batch_size, dev_mode=ns.mode, dev_lr=ns.lr,
                               dev_l2_clip=ns.clip, seed=ns.seed)
     # train_developer draws its noise and sampling key fresh from the OS (never recorded); the
