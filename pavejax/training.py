@@ -130,7 +130,7 @@ def record(ledger: Ledger, charge: Charge, nats: np.ndarray | float | None = Non
     """Records ``count`` steps' charges: the event ``count`` times, and the steps' nats (a
     sum over them when ``nats`` is an array of per-step charges)."""
     name = label if label is not None else charge.label
-    if charge.event is not None and not isinstance(charge.event, dp_event.NonPrivateDpEvent):
+    if charge.event is not None:  # a NonPrivateDpEvent too: the ledger then says epsilon = inf
         ledger.record(charge.event, count=count, label=name)
     per_step = np.asarray(charge.nats if nats is None else nats, np.float64).reshape(-1)
     if per_step.size and np.any(per_step != 0):
@@ -237,7 +237,7 @@ def run(step: StepFn, state: PyTree, key: jax.Array | None, steps: int, *,
             state, host_state = ckpt.arrays["state"], ckpt.arrays["host"]
             metrics = [float(v) for v in ckpt.mechanism.get("metrics", [])]
             ledger = ckpt.ledger
-        if charge.event is not None and not isinstance(charge.event, dp_event.NonPrivateDpEvent):
+        if charge.event is not None:  # a non-private step never fits a budget
             enforce_budget(ledger, budget, charge.event, steps - start)
     if key is None:
         from pavejax.privacy import fresh_key

@@ -749,3 +749,21 @@ def test_resume_is_bit_exact_and_the_budget_is_checked_first(tmp_path):
         with pytest.raises(BudgetExceededError):
             mt.train_task(_logreg_loss, w0, None, data, key, cfg, checkpointer=ckpt)
         assert ckpt.latest_step() is None
+
+
+def test_a_run_without_noise_claims_no_privacy(tmp_path):
+    # z = 0 (target epsilon inf): the ledger must say epsilon = inf, never 0, and no budget
+    # admits the run
+    from pavejax.accounting import BudgetExceededError
+    from pavejax.checkpointing import TrainCheckpointer
+
+    cfg = _protocol_cfg("same", steps=2, noise_multiplier=None, target_epsilon=math.inf)
+    w0 = {"w": jnp.zeros(5), "b": jnp.zeros(())}
+    res = mt.train_task(_logreg_loss, w0, None, _toy_data(), jax.random.key(0), cfg)
+    assert cfg.resolved_noise_multiplier == 0.0
+    assert sum(e.count for e in res.ledger.entries) == 2
+    assert math.isinf(res.ledger.epsilon(DELTA))
+    with TrainCheckpointer(tmp_path, budget=(100.0, DELTA)) as ckpt:
+        with pytest.raises(BudgetExceededError):
+            mt.train_task(_logreg_loss, w0, None, _toy_data(), jax.random.key(0), cfg,
+                          checkpointer=ckpt)
