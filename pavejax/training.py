@@ -127,11 +127,12 @@ def charge_of(step: StepFn, state: PyTree, batch: PyTree, key: jax.Array) -> Cha
 
 def record(ledger: Ledger, charge: Charge, nats: np.ndarray | float | None = None,
            count: int = 1, *, label: str | None = None) -> None:
-    """Records ``count`` steps' charges: the event ``count`` times, and the steps' nats (a
-    sum over them when ``nats`` is an array of per-step charges)."""
+    """Records ``count`` steps' charges: the event ``count`` times (coalesced with the
+    ledger's last entry when that is the same event: a run is one entry of count K), and the
+    steps' nats (one charge per step when ``nats`` is an array of per-step charges)."""
     name = label if label is not None else charge.label
     if charge.event is not None:  # a NonPrivateDpEvent too: the ledger then says epsilon = inf
-        ledger.record(charge.event, count=count, label=name)
+        ledger.record(charge.event, count=count, label=name, coalesce=True)
     per_step = np.asarray(charge.nats if nats is None else nats, np.float64).reshape(-1)
     if per_step.size and np.any(per_step != 0):
         if not np.all(np.isfinite(per_step)) or np.any(per_step < 0):

@@ -489,3 +489,19 @@ def test_pld_analyses_poisson_sampled_composition_between_its_bounds():
     ro = Ledger("replace_one", "pld")
     ro.record(same, count=steps)
     assert ro.epsilon(DELTA) > eps
+
+
+def test_coalesce_extends_the_last_equal_entry_and_keeps_the_composition():
+    from pavejax.accounting import gaussian_step_event
+
+    a = gaussian_step_event(1.0, q=0.01, sampling="poisson")
+    b = gaussian_step_event(2.0, q=0.01, sampling="poisson")
+    led = Ledger("add_remove")
+    for event in (a, a, a, b, a):
+        led.record(event, label="x", coalesce=True)
+    led.record(a, label="y", coalesce=True)  # another label: a new entry
+    assert [(e.count, e.label) for e in led.entries] == [(3, "x"), (1, "x"), (1, "x"), (1, "y")]
+    plain = Ledger("add_remove")
+    for event in (a, a, a, b, a, a):
+        plain.record(event)
+    assert led.epsilon(1e-5) == pytest.approx(plain.epsilon(1e-5), rel=1e-9)

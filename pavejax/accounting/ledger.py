@@ -333,8 +333,13 @@ class Ledger:
     def _translated(self, event: dp_event.DpEvent, accountant: str) -> dp_event.DpEvent:
         return _for_accountant(event, self.relation, accountant)
 
-    def record(self, event: dp_event.DpEvent, count: int = 1, *, label: str = "") -> LedgerEntry:
+    def record(self, event: dp_event.DpEvent, count: int = 1, *, label: str = "",
+               coalesce: bool = False) -> LedgerEntry:
         """Appends ``event`` (repeated ``count`` times) and returns the new entry.
+
+        With ``coalesce``, an event equal to the last entry's (same label) extends that entry's
+        count instead (the same composition, one entry: a run of K identical steps is stored
+        as one entry of count K, as a checkpointed trainer records it chunk by chunk).
 
         Raises TypeError for a non-DpEvent or non-string label, and ValueError when ``count`` is
         not an integer >= 1 or the default accountant cannot analyse the event under this
@@ -346,6 +351,11 @@ class Ledger:
         if not isinstance(label, str):
             raise TypeError(f"label must be a string, got {type(label).__name__}")
         count = _check_count("count", count)
+        if coalesce and self._entries and self._entries[-1].event == event \
+                and self._entries[-1].label == label:
+            last = self._entries[-1]
+            self._entries[-1] = LedgerEntry(event=event, count=last.count + count, label=label)
+            return self._entries[-1]
         probe = _fresh_accountant(self.accountant, self.relation, self.pld_discretization)
         translated = self._translated(event, self.accountant)
         _ensure_supported(probe, translated)

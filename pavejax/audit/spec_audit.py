@@ -145,8 +145,8 @@ class SpecSampler:
                 out.append(None)
                 continue
             ledger = Ledger(relation, accountant=priv.accountant)
-            for _ in range(self.config.steps):  # one entry per step, as generate_spec does
-                ledger.record(dp.dp_config.step_event(), label="dp-s-pave")
+            # one entry of count T, as generate_spec's driver records a run
+            ledger.record(dp.dp_config.step_event(), count=self.config.steps, label="dp-s-pave")
             out.append(ledger)
         return out[0], out[1]
 
