@@ -23,16 +23,16 @@ on the pool's frozen features) shows what those features allow.
 
 Cost ratios, measured in this run with the whole encoder on batch 32 x 64 tokens (the shape
 of the MeZO-in-PyTorch anchor: 1.99x a forward pass with LoRA, 3.44x with all weights) and, in
-``full`` mode, also on the pool (``*_pool``): ``step_over_forward`` = one ZO step (θ + εz, two
-forward passes, the mechanism, the update) / one forward pass, with LoRA on query/value, as the
-median over adjacent (step, forward) pairs of their wall-time ratio (``*_cpu``: process CPU
-time, which other jobs on a shared machine do not stretch); ``step_over_forward_full`` the
-same with every weight perturbed; ``mem_over_inference`` (LoRA) and
-``mem_over_inference_full`` = the step's peak bytes / inference's, from XLA's buffer
-assignment (arguments + temporaries + outputs, less donated aliases, plus θ while a perturbed
-copy is forwarded). With all weights perturbed the step needs inference memory plus one copy
-of θ (θ ± εz built from an untouched θ), so that ratio is 1 + θ / inference: about 1.8 on the
-32 x 64 batch, lower when activations are larger.
+``full`` mode, also on the pool (``*_pool``): ``step_over_forward`` = one ZO step (the
+trainer's pure ZPL step, jitted with its state donated: θ + εz, two forward passes, the
+release, the update) / one forward pass, with LoRA on query/value, as the median over adjacent
+(step, forward) pairs of their wall-time ratio (``*_cpu``: process CPU time, which other jobs
+on a shared machine do not stretch); ``step_over_forward_full`` the same with every weight
+perturbed; ``mem_over_inference`` (LoRA) and ``mem_over_inference_full`` = the compiled step's
+bytes / inference's, from XLA's buffer assignment (arguments + temporaries + outputs, less
+donated aliases). With all weights perturbed the step needs inference memory plus one copy
+of θ (θ ± εz built from an untouched θ in the loop that runs the two passes), so that ratio
+is about 1 + θ / inference: about 1.8 on the 32 x 64 batch, lower when activations are larger.
 """
 
 from __future__ import annotations
@@ -51,15 +51,8 @@ from pavejax.accounting.pac import epsilon_to_mi, mi_to_epsilon, mia_posterior_b
 from pavejax.data import load_task
 from pavejax.models import TextClassifier, load_minilm
 from pavejax.models.bert import gelu, mean_pool
-from pavejax.paczero import (
-    ZOConfig,
-    device_functions,
-    direction_keys,
-    init_state,
-    train,
-    zo_signals,
-    zo_update,
-)
+from pavejax.paczero import ZOConfig, init, per_example_losses, step, step_key, train
+from pavejax.privacy import fresh_key
 
 DELTA = 1e-5
 LORA = lora.LoraConfig(8, alpha=16)
@@ -228,11 +221,11 @@ def _evaluators(logits, frozen, dev, test):
         return jnp.mean((jnp.argmax(logits(tr, frozen, d), -1) == d["label"]).astype(jnp.float32))
 
     @jax.jit
-    def dev_loss(tr):
-        lg = logits(tr, frozen, dev).astype(jnp.float32)
+    def dev_loss(tr, fr):  # the trainer passes the frozen weights as an argument
+        lg = logits(tr, fr, dev).astype(jnp.float32)
         return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(lg), dev["label"][:, None], 1))
 
-    return (lambda tr: float(acc(tr, test))), (lambda tr: float(dev_loss(tr)))
+    return (lambda tr: float(acc(tr, test))), dev_loss
 
 
 def _cells(mode: Mode):
@@ -249,9 +242,9 @@ def _run_cell(mode, name, kind, extra, loss, trainable, frozen, pool, dev_loss, 
     cfg = ZOConfig(kind, steps=mode.steps, learning_rate=mode.lr, l2_clip=25.0,
                    microbatch_size=mode.microbatch, eval_every=max(mode.steps // 5, 1), **kw)
     t0 = time.perf_counter()
-    st = train(cfg, loss, init_state(cfg, trainable, mode.pool, public_seed=42,
-                                     mechanism_seed=42), frozen, pool, dev_fn=dev_loss)
-    best = jax.tree.map(jnp.asarray, st.best) if st.best is not None else st.trainable
+    state = init(cfg, trainable, mode.pool, key=fresh_key(), public_key=jax.random.key(42))
+    st = train(cfg, loss, state, frozen, pool, dev_fn=dev_loss)
+    best = st.best if st.best is not None else st.trainable
     # PACZero: the MI it charged; DP-ZO: the MI matched to its ε at the MIA level (δ = 1e-5);
     # MeZO is non-private (no bound).
     mi = {"mi": st.mi_used, "zpl": st.mi_used, "mezo": None}.get(kind)
@@ -262,7 +255,7 @@ def _run_cell(mode, name, kind, extra, loss, trainable, frozen, pool, dev_loss, 
             "unanimity_rate": st.unanimity_rate if kind in ("mi", "zpl") else None,
             "mi_nats": mi, "mia_posterior": None if mi is None else mia_posterior_bound(mi),
             "mia_matched_eps": None if mi is None else mi_to_epsilon(mi, DELTA),
-            "dp_eps": st.ledger(cfg, mode.pool).epsilon(DELTA) if kind == "dpzo" else None,
+            "dp_eps": st.ledger.epsilon(DELTA) if kind == "dpzo" else None,
             "seconds": time.perf_counter() - t0}
 
 
@@ -274,21 +267,6 @@ def _bytes(compiled):
 
 def _tree_bytes(tree):
     return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
-
-
-def _compiled(fns, trainable, frozen, batch, mask, membership, eps, clip, lr):
-    """Ahead-of-time compiled step pieces: timed below and the source of the memory figures
-    (one compilation each, shared by θ and the perturbed points, which have one shape)."""
-    key = direction_keys(jax.random.key(0), 0, 1)[0]
-    n = mask.shape[0]
-    losses = jnp.zeros((1, n), jnp.float32)
-    return fns._replace(
-        perturb=fns.perturb.lower(trainable, key, eps).compile(),
-        forward=fns.forward.lower(trainable, frozen, batch).compile(),
-        mirror=fns.mirror.lower(trainable, trainable).compile(),
-        combine=fns.combine.lower(losses, losses, eps, clip, mask, membership).compile(),
-        update_mirror=fns.update_mirror.lower(trainable, trainable, jnp.ones((1,)), lr,
-                                              eps).compile())
 
 
 def _paired_ratio(step, forward, repeats):
@@ -310,34 +288,31 @@ def _paired_ratio(step, forward, repeats):
 
 
 def _cost(loss, trainable, frozen, batch, repeats, microbatch):
-    """(step / forward wall time, the same in CPU time, step peak bytes / inference bytes)."""
+    """(step / forward wall time, the same in CPU time, step peak bytes / inference bytes).
+
+    The step is the trainer's: the pure ZPL step (32 candidate subsets) jitted with its state
+    donated; the forward is inference, the same per-example losses. Both are compiled ahead of
+    time, which also gives their memory from XLA's buffer assignment."""
     n = batch["label"].shape[0]
-    eps, clip, lr = jnp.float32(1e-3), jnp.float32(25.0), jnp.float32(1e-7)
-    mask = jnp.ones((n,), bool)
-    membership = jnp.asarray(np.random.default_rng(0).random((n, 32)) < 0.5)
-    fns = _compiled(device_functions(loss, microbatch), trainable, frozen, batch, mask,
-                    membership, eps, clip, lr)
-    state = {"tr": jax.tree.map(jnp.copy, trainable), "t": 0}
+    cfg = ZOConfig("zpl", steps=10**6, learning_rate=1e-7, perturbation_scale=1e-3,
+                   l2_clip=25.0, num_subsets=32, microbatch_size=microbatch)
+    state = init(cfg, jax.tree.map(jnp.copy, trainable), n, key=jax.random.key(1),
+                 public_key=jax.random.key(0))
+    one = jax.jit(lambda s, b, fr: step(cfg, loss, s, b, step_key(s), frozen=fr)[0],
+                  donate_argnums=0).lower(state, batch, frozen).compile()
+    forward = jax.jit(lambda tr, fr, b: per_example_losses(loss, tr, fr, b, microbatch)).lower(
+        trainable, frozen, batch).compile()
+    held = {"s": state}
 
-    def step():
-        keys = direction_keys(jax.random.key(0), state["t"], 1)
-        out = zo_signals(fns, state["tr"], frozen, batch, mask, keys, eps, clip, membership)
-        signs = np.asarray(out["signs"][0])  # the host mechanism reads the signs (ZPL rule)
-        y = jnp.asarray([1.0 if np.all(signs == signs[0]) and signs[0] > 0 else -1.0],
-                        jnp.float32)
-        state["tr"] = zo_update(fns, state["tr"], out, keys, y, lr, eps)
-        state["t"] += 1
-        jax.block_until_ready(state["tr"])
+    def zo_step():
+        held["s"] = one(held["s"], batch, frozen)
+        jax.block_until_ready(held["s"].trainable)
 
-    def forward():
-        jax.block_until_ready(fns.forward(trainable, frozen, batch))
+    def infer():
+        jax.block_until_ready(forward(trainable, frozen, batch))
 
-    ratio, cpu_ratio = _paired_ratio(step, forward, repeats)
-    inference = _bytes(fns.forward)
-    # While a perturbed copy is forwarded the loop still holds θ.
-    peak = max(_tree_bytes(trainable) + inference, _bytes(fns.perturb), _bytes(fns.mirror),
-               _bytes(fns.update_mirror))
-    return ratio, cpu_ratio, peak / inference
+    ratio, cpu_ratio = _paired_ratio(zo_step, infer, repeats)
+    return ratio, cpu_ratio, _bytes(one) / _bytes(forward)
 
 
 def _costs(graphdef, params, tok, mode):

@@ -136,13 +136,16 @@ def _sam_runner(loss, B0, frozen, data, batch, mesh):
 def _zo_runner(loss, B0, frozen, data, pool_size, mesh):
     pool = jax.tree.map(lambda x: x[:pool_size], data)
     cfg = paczero.ZOConfig("zpl", steps=10_000, learning_rate=1e-4, l2_clip=CLIP, num_subsets=16)
-    state = paczero.init_state(cfg, B0, pool_size, public_seed=0, mechanism_seed=1)
+    state = paczero.init(cfg, B0, pool_size, key=jax.random.key(1), public_key=jax.random.key(0))
     if mesh is not None:
         pool = privacy.shard_batch(pool, mesh)
+    # the trainer's step: the pure ZPL step, its key from the state
+    step_fn = jax.jit(lambda s, p, fr: paczero.step(cfg, loss, s, p, paczero.step_key(s),
+                                                    frozen=fr)[0])
     st = {"s": state}
 
     def step():
-        st["s"] = paczero.train(cfg, loss, st["s"], frozen, pool, until=st["s"].step + 1)
+        st["s"] = step_fn(st["s"], pool, frozen)
         jax.block_until_ready(st["s"].trainable)
 
     return step, lambda: st["s"].trainable

@@ -328,8 +328,8 @@ def adapt_zpl(cfg: LifecycleConfig, params: dict, pool: dict, dev: dict):
     # the membership matrix, which the guarantee assumes known) are public
     state = init(zcfg, params, n, key=fresh_key(), public_key=jax.random.key(cfg.seed + 7))
     start_dev = float(dev_loss_jit(params))
-    state = train(zcfg, example_loss, state, None, pool, dev_fn=dev_loss_jit,
-                  progress=cfg.progress)
+    state = train(zcfg, example_loss, state, None, pool,
+                  dev_fn=lambda p, _: dev_loss_jit(p), progress=cfg.progress)
     improved = state.best is not None and state.best_dev < start_dev
     ledger = state.ledger
     info = {"steps": state.step, "unanimity_rate": state.unanimity_rate,

@@ -19,7 +19,7 @@ import numpy as np  # noqa: E402
 
 from pavejax.checkpointing import TrainCheckpointer  # noqa: E402
 from pavejax.merging import train as mt  # noqa: E402
-from pavejax.paczero import ZOConfig, init_state, train as zo_train  # noqa: E402
+from pavejax.paczero import ZOConfig, init, train as zo_train  # noqa: E402
 from pavejax.pave.spec import (  # noqa: E402
     Backbone,
     PrivacyConfig,
@@ -141,13 +141,15 @@ def zo_config(mechanism: str = "mi", **kw) -> ZOConfig:
                                    "eval_every": 1} | extra | kw))
 
 
-def zo_dev(tr) -> float:
+@jax.jit
+def zo_dev(tr, fr=None) -> jax.Array:
     pool = zo_pool()
-    return float(jnp.mean(jax.vmap(lambda ex: zo_loss(tr, None, ex))(pool)))
+    return jnp.mean(jax.vmap(lambda ex: zo_loss(tr, None, ex))(pool))
 
 
-def zo_init(cfg: ZOConfig):
-    return init_state(cfg, zo_start(), ZO_N, public_seed=4, mechanism_seed=5, secret_seed=6)
+def zo_init(cfg: ZOConfig, secret: int = 6):
+    # a fixed secret key replays the run (tests only)
+    return init(cfg, zo_start(), ZO_N, key=jax.random.key(secret), public_key=jax.random.key(4))
 
 
 # ------------------------------------------------------------------ the killable worker

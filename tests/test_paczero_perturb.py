@@ -6,17 +6,20 @@ import numpy as np
 import pytest
 
 from pavejax.paczero import (
+    ZOConfig,
     apply_directions,
     clip_differences,
     direction,
     direction_keys,
+    init,
     mirror_point,
     per_example_losses,
     perturbed,
+    pseudo_gradient,
+    step,
     two_point_differences,
     update_from_mirror,
 )
-from pavejax.paczero.train import device_functions, zo_signals, zo_update
 
 # One jitted two-point function and one batch shape are shared by the tests: compilation, not
 # arithmetic, dominates their run time.
@@ -154,52 +157,54 @@ def _mlp(width=128, depth=4):
     return p, loss
 
 
+def _bytes(compiled):
+    m = compiled.memory_analysis()
+    return (m.argument_size_in_bytes + m.temp_size_in_bytes + m.output_size_in_bytes
+            - m.alias_size_in_bytes)
+
+
 def test_zo_step_memory_is_inference_plus_one_copy(key):
     # Backprop keeps every layer's activations (batch x width x depth); a ZO step keeps none.
-    # Its pieces: the forward (inference itself), θ + εz (one new copy of θ), the mirror and
-    # the update written in place over donated buffers (aliased, no new memory).
-    width, depth = 128, 4
+    # The whole jitted step with its state donated (θ + εz drawn in the loop, the forward,
+    # the mirror written over it in place, the forward, the update over θ's buffers) needs
+    # inference memory plus one copy of θ, and never a second copy.
+    width, depth, batch = 128, 4, 64
     p, loss = _mlp(width, depth)
     param_bytes = depth * width * width * 4
-    fns = device_functions(loss, None)
-    eps = jnp.float32(1e-3)
+    data = {"x": jnp.ones((batch, width))}
 
-    def analysis(fn, *args):
-        return fn.lower(*args).compile().memory_analysis()
+    def forward(b):
+        return jax.jit(lambda tr, d: per_example_losses(loss, tr, None, d)).lower(
+            p, {"x": jnp.ones((b, width))}).compile()
 
-    def forward_temp(batch):
-        return analysis(fns.forward, p, None, {"x": jnp.ones((batch, width))}).temp_size_in_bytes
-
-    grown = forward_temp(512) - forward_temp(8)
+    grown = forward(512).memory_analysis().temp_size_in_bytes - \
+        forward(8).memory_analysis().temp_size_in_bytes
     assert grown <= 0.5 * 512 * width * 4 * depth, grown  # what backprop would keep
-    pert = analysis(fns.perturb, p, key, eps)
-    assert pert.output_size_in_bytes <= 1.01 * param_bytes
-    assert pert.temp_size_in_bytes <= 0.25 * param_bytes  # at most one leaf of draws
-    for fn, args in [(fns.mirror, (p, p)),
-                     (fns.update_mirror, (p, p, jnp.ones((1,), jnp.float32), eps, eps)),
-                     (fns.update_keys, (p, direction_keys(key, 0, 1), jnp.ones((1,)), eps))]:
-        m = analysis(fn, *args)
-        assert m.alias_size_in_bytes == param_bytes  # written over the donated buffers
-        assert m.temp_size_in_bytes <= 0.3 * param_bytes, fn
+    inference = _bytes(forward(batch))
+    cfg = ZOConfig("mezo", steps=10, learning_rate=1e-3)
+    state = init(cfg, p, batch, key=key, public_key=jax.random.key(7))
+    compiled = jax.jit(lambda s, d, k: step(cfg, loss, s, d, k), donate_argnums=0).lower(
+        state, data, key).compile()
+    assert compiled.memory_analysis().alias_size_in_bytes >= param_bytes  # θ updated in place
+    assert _bytes(compiled) <= inference + 1.1 * param_bytes, (_bytes(compiled), inference)
 
 
-def test_split_step_matches_the_single_function_reference(key):
-    # The train loop's separate jits (perturb, forward, mirror in place, forward) compute
-    # the same differences as the one-function `two_point_differences`.
+def test_step_update_is_the_mirror_update_of_two_point_differences(key):
+    # The pure step's MeZO update equals the one-function pieces composed by hand: the
+    # two-point differences at the step's public key, their pool mean, update_from_mirror.
     p, loss = _mlp(16, 2)
     p = jax.tree.map(lambda a: a + 0.1, p)
     x = jax.random.normal(key, (N, 16), jnp.float32)
-    fns = device_functions(loss, None)
-    keys = direction_keys(key, 3, 1)
-    eps, clip = jnp.float32(1e-2), jnp.float32(1e9)
-    out = zo_signals(fns, p, None, {"x": x}, jnp.ones((N,), bool), keys, eps, clip, None)
-    g, mirror = jax.jit(lambda tr: two_point_differences(
-        loss, tr, None, {"x": x}, keys[0], eps, return_mirror=True))(p)
-    np.testing.assert_allclose(out["sum"][0], jnp.sum(g), rtol=1e-5)
-    for a, b in zip(jax.tree.leaves(out["mirror"]), jax.tree.leaves(mirror), strict=True):
-        np.testing.assert_array_equal(a, b)  # both are exactly 2θ − (θ + εz)
-    np.testing.assert_allclose(out["mirror"]["l0"], perturbed(p, keys[0], -1e-2)["l0"],
-                               atol=1e-7)
+    cfg = ZOConfig("mezo", steps=4, learning_rate=0.05, perturbation_scale=1e-2, l2_clip=1e9)
+    state = init(cfg, p, N, key=key, public_key=jax.random.key(3))
+    out, _, stats = jax.jit(lambda s, k: step(cfg, loss, s, {"x": x}, k))(state, key)
+    z_key = direction_keys(jax.random.key(3), 0, 1)[0]
+    g, mirror = two_point_differences(loss, p, None, {"x": x}, z_key, 1e-2, return_mirror=True)
+    np.testing.assert_allclose(stats["release"][0], jnp.mean(g), rtol=1e-5)
+    want = update_from_mirror(p, mirror, jnp.mean(g), jnp.float32(0.05), jnp.float32(1e-2))
+    for a, b in zip(jax.tree.leaves(out.trainable), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(mirror["l0"], perturbed(p, z_key, -1e-2)["l0"], atol=1e-7)
 
 
 def test_update_from_mirror_follows_the_regenerated_direction(key):
@@ -220,27 +225,38 @@ def test_update_from_mirror_follows_the_regenerated_direction(key):
 
 
 def test_donated_step_is_bit_identical_to_the_undonated_one(key):
-    # Donation only recycles buffers: three steps with the donating jits and with plain
-    # (non-donating) jits of the same functions give the same bits.
+    # Donation only recycles buffers: three steps with a donating jit and a plain jit of the
+    # same step give the same bits, for K = 1 (mirror update) and K = 2 (regenerated z).
     p, loss = _mlp(16, 2)
     x = jax.random.normal(key, (N, 16), jnp.float32)
-    donating = device_functions(loss, None)
-    plain = donating._replace(mirror=jax.jit(mirror_point),
-                              update_mirror=jax.jit(update_from_mirror),
-                              update_keys=jax.jit(apply_directions))
-    eps, clip, lr = jnp.float32(1e-3), jnp.float32(10.0), jnp.float32(0.05)
-    mask = jnp.ones((N,), bool)
-    trajectories = []
-    for fns in (donating, plain):
-        theta = jax.tree.map(lambda a: a + 0.1, p)
-        for t in range(3):
-            keys = direction_keys(key, t, 1 + t % 2)  # K = 1 (mirror) and K = 2 (regenerated)
-            out = zo_signals(fns, theta, None, {"x": x}, mask, keys, eps, clip, None)
-            theta = zo_update(fns, theta, out, keys, jnp.sign(out["mean"]), lr, eps)
-        trajectories.append(jax.tree.map(np.asarray, theta))
-    for a, b in zip(*map(jax.tree.leaves, trajectories), strict=True):
-        np.testing.assert_array_equal(a, b)
-    assert not np.allclose(trajectories[0]["l0"], 0.1)
+    for k in (1, 2):
+        cfg = ZOConfig("mezo", steps=3, learning_rate=0.05, l2_clip=10.0, num_directions=k)
+
+        def one(s, kk, cfg=cfg):
+            return step(cfg, loss, s, {"x": x}, kk)[0]
+
+        trajectories = []
+        for fn in (jax.jit(one, donate_argnums=0), jax.jit(one)):
+            s = init(cfg, jax.tree.map(lambda a: a + 0.1, p), N, key=jax.random.key(8),
+                     public_key=jax.random.key(7))  # donated with the state
+            for t in range(3):
+                s = fn(s, jax.random.fold_in(key, t))
+            trajectories.append(jax.tree.map(np.asarray, s.trainable))
+        for a, b in zip(*map(jax.tree.leaves, trajectories), strict=True):
+            np.testing.assert_array_equal(a, b)
+        assert not np.allclose(trajectories[0]["l0"], 0.1)
+
+
+def test_pseudo_gradient_is_the_mean_signed_direction(key):
+    p = params()
+    keys = direction_keys(key, 5, 3)
+    coeffs = jnp.array([0.5, -1.0, 2.0], jnp.float32)
+    g = pseudo_gradient(p, keys, coeffs)
+    zs = [direction(k, p) for k in keys]
+    for name in ("w", "b"):
+        want = sum(c * np.asarray(z[name]) for c, z in zip([0.5, -1.0, 2.0], zs, strict=True)) / 3
+        np.testing.assert_allclose(g[name], want, rtol=1e-5, atol=1e-6)
+    assert g["n"].dtype == jnp.int32 and int(g["n"]) == 0
 
 
 def test_fused_normal_is_bit_identical_to_jax(key):

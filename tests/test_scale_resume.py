@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from pavejax.checkpointing import TrainCheckpointer
-from pavejax.paczero import init_state, train as zo_train
+from pavejax.paczero import train as zo_train
 from tests import _scale_problems as P
 
 REPO = Path(__file__).resolve().parent.parent
@@ -119,10 +119,10 @@ def test_paczero_resumes_bit_identical(killed):
     directory = _killed_midway(killed, "paczero")
     cfg = P.zo_config()
     whole = zo_train(cfg, P.zo_loss, P.zo_init(cfg), None, P.zo_pool(), dev_fn=P.zo_dev)
-    # A template from another mechanism seed (as an OS-seeded restart would draw): only the
-    # checkpoint's membership, secret and generator can lead to the killed run's result.
-    fresh = init_state(cfg, P.zo_start(), P.ZO_N, public_seed=4, mechanism_seed=7)
-    assert not np.array_equal(fresh.membership, whole.membership)
+    # A template with another secret key (as an OS-seeded restart would draw): only the
+    # checkpoint's secret key and index can lead to the killed run's result.
+    fresh = P.zo_init(cfg, secret=7)
+    assert int(fresh.secret) != int(whole.state.secret)
     with TrainCheckpointer(directory) as ckpt:
         done = zo_train(cfg, P.zo_loss, fresh, None, P.zo_pool(), dev_fn=P.zo_dev,
                         checkpointer=ckpt)
@@ -130,11 +130,13 @@ def test_paczero_resumes_bit_identical(killed):
     assert done.step == whole.step == P.STEPS
     assert _same_bits(done.trainable, whole.trainable) and _same_bits(done.best, whole.best)
     assert done.best_step == whole.best_step and done.best_dev == whole.best_dev
-    assert done.secret == whole.secret
-    np.testing.assert_array_equal(done.membership, whole.membership)
-    assert done.mechanism.log_posterior.tobytes() == whole.mechanism.log_posterior.tobytes()
-    assert done.charges == whole.charges and done.mi_used == whole.mi_used
-    assert done.mechanism.rng_state == whole.mechanism.rng_state
-    assert (done.unanimous, done.releases) == (whole.unanimous, whole.releases)
-    assert done.ledger(cfg, P.ZO_N) == whole.ledger(cfg, P.ZO_N)
-    assert done.ledger(cfg, P.ZO_N).mutual_information() > 0  # the MI mechanism did spend
+    assert int(done.state.secret) == int(whole.state.secret)
+    assert _same_bits(jax.random.key_data(done.state.secret_key),
+                      jax.random.key_data(whole.state.secret_key))
+    np.testing.assert_array_equal(done.state.membership, whole.state.membership)
+    assert done.host.log_posterior.tobytes() == whole.host.log_posterior.tobytes()
+    assert done.mi_used == whole.mi_used
+    assert (int(done.state.unanimous), int(done.state.releases)) == \
+        (int(whole.state.unanimous), int(whole.state.releases))
+    assert done.ledger == whole.ledger
+    assert done.ledger.mutual_information() > 0  # the MI mechanism did spend

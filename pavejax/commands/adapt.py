@@ -43,9 +43,10 @@ DESCRIPTION = (
     "split "
     "used for the reported accuracy are read without noise and are not covered. The input "
     "model's own guarantee (on its developers' data) is copied into the release as upstream. "
-    "The membership matrix, secret index and mechanism generator are seeded from the OS and "
-    "never enter the release; with --checkpoint-dir they are saved in that directory (so the "
-    "run can resume), which must stay private.")
+    "The secret index and the mechanism key (coins, noise, samples) come from the OS and never "
+    "enter the release; with --checkpoint-dir they are saved in that directory (so the run can "
+    "resume), which must stay private. The membership matrix is drawn from the public --seed: "
+    "the guarantee assumes the adversary knows it.")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -120,8 +121,8 @@ def _guarantee(ns, zcfg, ledger, n: int, task: str) -> tuple[dict, dict]:
     pool = f"each example of the private pool ({n} training examples of task {task!r})"
     membership = (f"each pool example's membership in the secret candidate subset (pool: {n} "
                   f"training examples of task {task!r}); the pool's content is not protected")
-    kept = ["membership matrix, secret subset index and mechanism generator seeded from the "
-            "OS, never released", "the dev split used for selection lies outside the pool"]
+    kept = ["secret subset index and mechanism key drawn from the OS, never released",
+            "the dev split used for selection lies outside the pool"]
     if ns.mechanism == "mezo":
         return ({"kind": "none", "note": "MeZO releases exact pool-mean directional "
                                          "derivatives: not private"},
@@ -145,12 +146,12 @@ def _guarantee(ns, zcfg, ledger, n: int, task: str) -> tuple[dict, dict]:
 def run(ns: argparse.Namespace) -> int:
     import jax
     import jax.numpy as jnp
-    import numpy as np
 
     from pavejax.checkpointing import TrainCheckpointer
     from pavejax.data import load_task
     from pavejax.models import apply_head, example_loss
-    from pavejax.paczero import init_state, train
+    from pavejax.paczero import init, train
+    from pavejax.privacy import fresh_key
 
     _check_flags(ns)
     model = sh.load_model_release(ns.model)
@@ -175,17 +176,16 @@ def run(ns: argparse.Namespace) -> int:
 
     start_dev = float(dev_loss(model.params))
     # A resumed run replaces this fresh OS-seeded state by its checkpoint's (same secrets).
-    state = init_state(zcfg, model.params, n, public_seed=ns.seed,
-                       mechanism_seed=np.random.SeedSequence())
+    state = init(zcfg, model.params, n, key=fresh_key(), public_key=jax.random.key(ns.seed))
     ckpt = (contextlib.nullcontext() if ns.checkpoint_dir is None else
             TrainCheckpointer(ns.checkpoint_dir, every=zcfg.eval_every))
     with ckpt as checkpointer:
-        state = train(zcfg, example_loss, state, None, pool, dev_fn=lambda p: float(dev_loss(p)),
+        state = train(zcfg, example_loss, state, None, pool, dev_fn=lambda p, _: dev_loss(p),
                       checkpointer=checkpointer, progress=ns.progress)
     improved = state.best is not None and state.best_dev < start_dev
     final = jax.tree.map(jnp.asarray, state.best) if improved else model.params
     before, after = (sh.accuracy(p, test, model.classes) for p in (model.params, final))
-    led = state.ledger(zcfg, n, label=f"paczero/{ns.mechanism}")
+    led = state.ledger
     guarantee, risk = _guarantee(ns, zcfg, led, n, ns.task)
     ledger = None if ns.mechanism == "mezo" else led
     extra = {"task": ns.task, "classes": list(model.classes),

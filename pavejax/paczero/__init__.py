@@ -1,19 +1,30 @@
 """PACZero: PAC-private zeroth-order fine-tuning (ZPL and MI) with MeZO and DP-ZO baselines.
 
-Modules: :mod:`~pavejax.paczero.perturb` (seeded directions, two-point differences),
-:mod:`~pavejax.paczero.subsets` (candidate subsets, signs), :mod:`~pavejax.paczero.mechanisms`
-(release rules), :mod:`~pavejax.paczero.train` (loop) and :mod:`~pavejax.paczero.checkpoint`
-(resumable runs through the Orbax TrainCheckpointer).
+Modules: :mod:`~pavejax.paczero.perturb` (seeded directions, two-point differences,
+pseudo-gradient), :mod:`~pavejax.paczero.subsets` (candidate subsets, signs),
+:mod:`~pavejax.paczero.mechanisms` (release rules), :mod:`~pavejax.paczero.step` (the pytree
+state, ``init`` and the pure steps, MI's two phases) and :mod:`~pavejax.paczero.train` (runs on
+the one driver, `pavejax.training.run`: checkpoint/resume, budgets, dev selection).
+
+Example: 100 ZPL steps under ``lax.scan`` inside your own ``jit``:
+
+  >>> cfg = ZOConfig("zpl", steps=100, learning_rate=0.1, num_subsets=8)
+  >>> state = init(cfg, params, pool_size, key=fresh_key(), public_key=jax.random.key(0))
+  >>> def body(s, _):
+  ...     s, charge, stats = step(cfg, loss_fn, s, pool, step_key(s))
+  ...     return s, stats["unanimous"]
+  >>> state, unanimous = jax.jit(lambda s: jax.lax.scan(body, s, length=100))(state)
 """
 
-from pavejax.paczero.checkpoint import restore_state, save_state
 from pavejax.paczero.mechanisms import (
     KINDS,
-    MechanismState,
+    ZPL_NATS,
+    MIHostState,
     Release,
     dpzo_release,
-    init_mechanism_state,
+    host_generator,
     mezo_release,
+    mi_init_host,
     mi_release,
     per_step_budget,
     positive_mass,
@@ -27,8 +38,24 @@ from pavejax.paczero.perturb import (
     mirror_point,
     per_example_losses,
     perturbed,
+    pseudo_gradient,
     two_point_differences,
     update_from_mirror,
+)
+from pavejax.paczero.step import (
+    MIRelease,
+    MISignals,
+    ZOConfig,
+    ZOState,
+    dpzo_noise_multiplier,
+    init,
+    mi_apply,
+    mi_device_phase,
+    mi_host_release,
+    schedule,
+    step,
+    step_charge,
+    step_key,
 )
 from pavejax.paczero.subsets import (
     draw_secret,
@@ -37,24 +64,15 @@ from pavejax.paczero.subsets import (
     subset_signs,
     unanimous,
 )
-from pavejax.paczero.train import (
-    DeviceFunctions,
-    ZOConfig,
-    ZOState,
-    device_functions,
-    init_state,
-    learning_rate,
-    train,
-    zo_signals,
-    zo_update,
-)
+from pavejax.paczero.train import Selection, ZORun, train
 
 __all__ = [
-    "KINDS", "DeviceFunctions", "MechanismState", "Release", "ZOConfig", "ZOState",
-    "apply_directions", "clip_differences", "device_functions", "direction", "direction_keys",
-    "dpzo_release", "draw_secret", "init_mechanism_state", "init_state",
-    "learning_rate", "membership_matrix", "mezo_release", "mi_release", "mirror_point",
-    "per_example_losses", "per_step_budget", "perturbed", "positive_mass", "restore_state",
-    "save_state", "subset_means", "subset_signs", "train", "two_point_differences", "unanimous",
-    "update_from_mirror", "zo_signals", "zo_update", "zpl_release",
+    "KINDS", "MIHostState", "MIRelease", "MISignals", "Release", "Selection", "ZOConfig",
+    "ZORun", "ZOState", "ZPL_NATS", "apply_directions", "clip_differences", "direction",
+    "direction_keys", "dpzo_noise_multiplier", "dpzo_release", "draw_secret",
+    "host_generator", "init", "membership_matrix", "mezo_release", "mi_apply",
+    "mi_device_phase", "mi_host_release", "mi_init_host", "mi_release", "mirror_point",
+    "per_example_losses", "per_step_budget", "perturbed", "positive_mass", "pseudo_gradient",
+    "schedule", "step", "step_charge", "step_key", "subset_means", "subset_signs", "train",
+    "two_point_differences", "unanimous", "update_from_mirror", "zpl_release",
 ]

@@ -3,10 +3,12 @@
 Each step computes, on the device, K directions' per-example clipped projected gradients ĝ and
 from them the M candidate-subset signs (PACZero), the pool mean (MeZO) or a clipped sum over a
 Poisson sample (DP-ZO). The rules here turn those into the K released scalars Y_k; the update is
-θ ← θ − η_t (1/K) Σ_k Y_k z_k. They run on the host in float64 with numpy generators whose
-states live in `MechanismState` (so a resumed run draws exactly the same numbers): the noise
-generator (MI and DP-ZO noise; secret) and the coin generator (ZPL's fair coins; public, as the
-coins are released). The two never share a stream, and neither draws the secret index.
+θ ← θ − η_t (1/K) Σ_k Y_k z_k.
+
+MeZO, DP-ZO and ZPL release on the device (pure jnp, jittable, scannable): their randomness is a
+JAX key, so the same key gives the same release. MI keeps its release on the host in float64
+(`mi_release`, posterior in `MIHostState`), with its Gaussian noise drawn by a numpy generator
+seeded from a JAX key (`host_generator`), so it too is a function of its key.
 
 Guarantees:
 
@@ -14,11 +16,13 @@ Guarantees:
 * **DP-ZO** (``"dpzo"``): (ε, δ)-DP under replace-one neighbouring (data sets of the same,
   public size N that differ in one example), accounted with PLD. Y = (Σ_{i∈batch} clip(ĝ_i)
   + N(0, (σC)²)) / b with Poisson sampling at rate b/N; with K directions the per-example vector
-  has L2 norm <= C√K, so one step is the Gaussian event of multiplier σ/√K (`pavejax.accounting.dpzo_step_event`,
+  has L2 norm <= C√K, so one step is the Gaussian event of multiplier σ/√K
+  (`pavejax.accounting.dpzo_step_event`,
   in the add/remove-sensitivity convention of `pavejax.accounting`: a replace-one ledger doubles
-  the sensitivity to 2C√K itself).
+  the sensitivity to 2C√K itself). The noise key is secret.
 * **PACZero-ZPL** (``"zpl"``): I(S*; Y_1:T) = 0. Unanimous signs are released as is; otherwise Y
-  is a fair coin. `zpl_release` never receives the secret.
+  is a fair coin from the step's key. `zpl_release` never receives the secret, so each release
+  is independent of it: the charge is exactly 0 nats (`ZPL_NATS`), by construction.
 * **PACZero-MI** (``"mi"``): I(S*; Y_1:T) <= B nats. With posterior mass q₊ on s* = +1 and
   per-release budget β (capped at 0.999·H_b(q₊)), y = s* + N(0, σ²) with σ calibrated so that
   a certified upper bound on I_BIAWGN(q₊, σ) (`biawgn_mi_upper_bound`) is <= β, Y = sign(y)
@@ -32,8 +36,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
+from typing import NamedTuple
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 from scipy import special
 
@@ -42,24 +48,27 @@ from pavejax.accounting.pac import (
     binary_entropy,
     calibrate_biawgn_sigma,
 )
+from pavejax.paczero.subsets import unanimous as all_agree
 
 __all__ = [
-    "KINDS", "MechanismState", "Release", "dpzo_release", "init_mechanism_state", "mezo_release", "mi_release", "per_step_budget", "positive_mass",
+    "KINDS", "MIHostState", "Release", "ZPL_NATS", "dpzo_release", "host_generator",
+    "mezo_release", "mi_init_host", "mi_release", "per_step_budget", "positive_mass",
     "zpl_release",
 ]
 
 KINDS = ("mezo", "dpzo", "zpl", "mi")
+ZPL_NATS = 0.0  # ZPL's charge per step: its releases are independent of the secret
 _CERTAIN = 1e-12  # posterior mass below which a sign counts as impossible (PAC-unanimous)
 
 
 @dataclasses.dataclass(frozen=True)
 class Release:
-    """One released scalar and what it cost.
+    """One MI release (host, float64) and what it cost.
 
-    ``value``: Y (±1 for PACZero, real for MeZO/DP-ZO); ``unanimous``: the step needed no noise;
-    ``charged``: nats charged to the budget (>= ``realised``); ``realised``: a certified upper
-    bound on the mutual information the release has (`biawgn_mi_upper_bound`); ``sigma``: the
-    Gaussian noise std (None if none); ``q_plus``: the prior mass on s* = +1.
+    ``value``: Y = ±1; ``unanimous``: the step needed no noise; ``charged``: nats charged to the
+    budget (>= ``realised``); ``realised``: a certified upper bound on the mutual information the
+    release has (`biawgn_mi_upper_bound`); ``sigma``: the Gaussian noise std (None if none);
+    ``q_plus``: the prior mass on s* = +1.
     """
 
     value: float
@@ -70,58 +79,34 @@ class Release:
     q_plus: float | None = None
 
 
-def _generator(state: dict[str, Any]) -> np.random.Generator:
-    bit = np.random.PCG64()
-    bit.state = state
-    return np.random.Generator(bit)
+class MIHostState(NamedTuple):
+    """Host-side state of PACZero-MI. Private: never release it.
 
-
-def _pcg64_state(rng: np.random.Generator) -> dict[str, Any]:
-    if not isinstance(rng.bit_generator, np.random.PCG64):
-        raise TypeError("mechanism generators must use PCG64 (np.random.default_rng)")
-    return rng.bit_generator.state
-
-
-@dataclasses.dataclass(frozen=True)
-class MechanismState:
-    """Host-side state of the release rules. Private: never release it.
-
-    ``log_posterior``: log posterior over the M candidates (float64); ``mi_used``: nats charged;
-    ``rng_state``: the noise generator's `numpy.random.PCG64` state (MI and DP-ZO noise: secret,
-    seeded from the OS); ``coin_state``: the coin generator's state (ZPL's fair coins, which are
-    released), or None when the mechanism draws no coins.
+    ``log_posterior``: (M,) float64 log posterior over the candidates (given the releases so
+    far); ``mi_used``: nats charged so far (float64; the release rule keeps it within the
+    budget); ``stopped``: the budget was spent before the last step, so later steps release
+    nothing.
     """
 
     log_posterior: np.ndarray
     mi_used: float
-    rng_state: dict[str, Any]
-    coin_state: dict[str, Any] | None = None
-
-    def generator(self) -> np.random.Generator:
-        """The noise generator, positioned exactly at ``rng_state``."""
-        return _generator(self.rng_state)
-
-    def coin_generator(self) -> np.random.Generator:
-        """The coin generator, positioned exactly at ``coin_state``."""
-        if self.coin_state is None:
-            raise ValueError("this mechanism state has no coin generator; build it with "
-                             "init_mechanism_state(..., coins=generator)")
-        return _generator(self.coin_state)
+    stopped: bool = False
 
     def posterior(self) -> np.ndarray:
         """The normalised posterior over candidates, shape (M,)."""
         return np.exp(self.log_posterior - special.logsumexp(self.log_posterior))
 
 
-def init_mechanism_state(rng: np.random.Generator, num_subsets: int, *,
-                         coins: np.random.Generator | None = None) -> MechanismState:
-    """Uniform posterior over ``num_subsets`` candidates, nothing used, noise generator ``rng``
-    and coin generator ``coins`` (both PCG64; keep them apart: coins are released)."""
-    if coins is rng:
-        raise ValueError("the coin generator is released through the coins: it must not be the "
-                         "noise generator")
-    return MechanismState(np.full(int(num_subsets), -math.log(num_subsets)), 0.0,
-                          _pcg64_state(rng), None if coins is None else _pcg64_state(coins))
+def mi_init_host(num_subsets: int) -> MIHostState:
+    """Uniform posterior over ``num_subsets`` candidates, nothing charged."""
+    return MIHostState(np.full(int(num_subsets), -math.log(num_subsets)), 0.0, False)
+
+
+def host_generator(key: jax.Array) -> np.random.Generator:
+    """A numpy generator seeded with every word of ``key``'s data: the host side's draws are a
+    function of the key alone (same key, same draws). Keep ``key`` as secret as the draws."""
+    words = np.asarray(jax.random.key_data(key), np.uint32).reshape(-1)
+    return np.random.default_rng(np.random.SeedSequence(words.tolist()))
 
 
 def positive_mass(log_posterior: np.ndarray, signs: np.ndarray) -> float:
@@ -147,21 +132,24 @@ def per_step_budget(budget: float, used: float, step: int, total_steps: int) -> 
     return beta
 
 
-def zpl_release(signs: np.ndarray, rng: np.random.Generator) -> Release:
-    """PACZero-ZPL: the common sign if all M candidate signs agree, else a fair coin.
+def zpl_release(signs: jax.Array, key: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """PACZero-ZPL for K directions: the common sign where all M candidate signs agree, else a
+    fair coin. Jittable.
 
+    ``signs``: (K, M) int8 ±1; ``key``: the step's coin key (coin k is bit k of
+    ``bernoulli(key, 0.5, (K,))``). Returns Y (K,) float32 ±1 and the unanimity flags (K,) bool.
     The secret is not an argument: the release cannot depend on it (zero mutual information).
     """
-    signs = np.asarray(signs)
-    if np.all(signs == signs[0]):
-        return Release(float(1.0 if signs[0] > 0 else -1.0), unanimous=True)
-    return Release(float(1.0 if rng.random() < 0.5 else -1.0))
+    agree = all_agree(signs)
+    coins = jnp.where(jax.random.bernoulli(key, 0.5, agree.shape), jnp.float32(1.0),
+                      jnp.float32(-1.0))
+    return jnp.where(agree, signs[..., 0].astype(jnp.float32), coins), agree
 
 
 def mi_release(signs: np.ndarray, secret: int, log_posterior: np.ndarray, beta: float,
                rng: np.random.Generator, *, faithful: bool = False,
                limit: float | None = None) -> tuple[Release, np.ndarray]:
-    """PACZero-MI release of one direction with per-release budget ``beta`` (nats).
+    """PACZero-MI release of one direction with per-release budget ``beta`` (nats). Host, float64.
 
     Returns the release and the updated log posterior (M,). PAC-unanimous (q₊ within 1e-12 of 0
     or 1): releases s* with no noise and charges 0. Otherwise β ← min(β, 0.999·H_b(q₊)); with
@@ -170,7 +158,7 @@ def mi_release(signs: np.ndarray, secret: int, log_posterior: np.ndarray, beta: 
     ``faithful``; the charge is max(β, the upper bound at σ), so a faithful σ that leaks more
     than β is charged what it leaks. ``limit`` (nats left in the run's budget): a faithful σ
     whose leak would exceed it is replaced by the conservative one, so the budget still binds.
-    ``rng`` is the noise generator (secret).
+    ``rng`` is the noise generator (secret; `host_generator` of the step's noise key).
     """
     signs = np.asarray(signs)
     s_star = float(signs[secret])
@@ -195,15 +183,17 @@ def mi_release(signs: np.ndarray, secret: int, log_posterior: np.ndarray, beta: 
     return release, updated
 
 
-def mezo_release(pool_mean: float) -> Release:
-    """MeZO (non-private): the projected gradient itself, Y = mean clipped ĝ."""
-    return Release(float(pool_mean))
+def mezo_release(pool_mean: jax.Array) -> jax.Array:
+    """MeZO (non-private): the projected gradients themselves, Y = mean clipped ĝ (K,)."""
+    return pool_mean.astype(jnp.float32)
 
 
-def dpzo_release(clipped_sum: float, rng: np.random.Generator, *, noise_multiplier: float,
-                 l2_clip: float, expected_batch_size: float) -> Release:
-    """DP-ZO: (Σ clip(ĝ_i) + N(0, (σ·l2_clip)²)) / expected batch size; ``rng`` is the noise
-    generator (secret)."""
-    noise = noise_multiplier * l2_clip * float(rng.standard_normal())
-    return Release((float(clipped_sum) + noise) / expected_batch_size,
-                   sigma=noise_multiplier * l2_clip / expected_batch_size)
+def dpzo_release(clipped_sum: jax.Array, key: jax.Array, *, noise_multiplier: float,
+                 l2_clip: float, expected_batch_size: float) -> jax.Array:
+    """DP-ZO for K directions: (Σ clip(ĝ_i) + N(0, (σ·l2_clip)²)) / expected batch size, float32.
+
+    ``clipped_sum``: (K,) sums over the Poisson sample; ``key``: the step's noise key (secret).
+    Jittable; ``noise_multiplier`` σ may be traced."""
+    std = jnp.asarray(noise_multiplier, jnp.float32) * jnp.asarray(l2_clip, jnp.float32)
+    noise = std * jax.random.normal(key, jnp.shape(clipped_sum), jnp.float32)
+    return (clipped_sum.astype(jnp.float32) + noise) / jnp.float32(expected_batch_size)

@@ -34,7 +34,8 @@ from jax import lax
 
 __all__ = [
     "apply_directions", "clip_differences", "direction", "direction_keys", "mirror_point",
-    "perturbed", "per_example_losses", "two_point_differences", "update_from_mirror",
+    "perturbed", "per_example_losses", "pseudo_gradient", "two_point_differences",
+    "update_from_mirror",
 ]
 
 PyTree = Any
@@ -212,13 +213,14 @@ def two_point_differences(loss_fn: LossFn, trainable: PyTree, frozen: PyTree, ba
     reuses the first pass's copy in place of a second draw and mirrors the realised (rounded)
     perturbation exactly. θ itself is never modified, so nothing drifts across steps.
 
-    This is the one-function (jit-able, vmap-able) form. The two forward passes are the two
-    iterations of one loop, so the forward is compiled once and XLA cannot merge the passes'
-    broadcasts of frozen weights into shared materialised buffers (which made a straight-line
-    pair of passes several times slower than two single passes on CPU). XLA keeps the
-    loop's carry and the reflection in two buffers, so it holds up to two perturbed copies;
-    the training loop's split form (`pavejax.paczero.train.zo_signals`) reflects in place
-    over a donated buffer and holds one. ``eps`` may be traced. Non-finite differences (a
+    This is the one-function (jit-able, vmap-able, scannable) form that `pavejax.paczero.step`
+    runs. The two forward passes are the two iterations of one loop, so the forward is compiled
+    once and XLA cannot merge the passes' broadcasts of frozen weights into shared materialised
+    buffers (which made a straight-line pair of passes several times slower than two single
+    passes on CPU). The first iteration draws z and writes θ + εz into the loop's carry, the
+    second reflects the carry in place, so z's draws and each pass's activations share the
+    loop body's memory: a step holds θ, one perturbed copy and one pass's activations
+    (inference memory plus one copy of θ). ``eps`` may be traced. Non-finite differences (a
     diverged loss) become 0 so that one bad example cannot poison a subset mean; callers clip
     the result to [−c, c].
 
@@ -231,12 +233,16 @@ def two_point_differences(loss_fn: LossFn, trainable: PyTree, frozen: PyTree, ba
 
     def body(i, carry):
         point, losses = carry
-        losses = losses.at[i].set(
-            per_example_losses(loss_fn, point, frozen, batch, microbatch_size))
-        point = lax.cond(i == 0, lambda q: mirror_point(trainable, q), lambda q: q, point)
+        point = lax.cond(i == 0, lambda q: perturbed(trainable, key, eps),
+                         lambda q: mirror_point(trainable, q), point)
+        # Tied to the loop-varying point, the frozen weights and the batch cannot have their
+        # broadcasts hoisted out of the loop (XLA would keep them alive through both passes:
+        # about a third more activation memory than inference).
+        point, fr, data = lax.optimization_barrier((point, frozen, batch))
+        losses = losses.at[i].set(per_example_losses(loss_fn, point, fr, data, microbatch_size))
         return point, losses
 
-    init = (perturbed(trainable, key, eps), jnp.zeros((2, n), jnp.float32))
+    init = (jax.tree.map(jnp.zeros_like, trainable), jnp.zeros((2, n), jnp.float32))
     mirror, losses = lax.fori_loop(0, 2, body, init)
     g = (losses[0] - losses[1]) / (jnp.float32(2.0) * eps)
     g = jnp.where(jnp.isfinite(g), g, jnp.float32(0.0))
@@ -248,7 +254,7 @@ def update_from_mirror(params: PyTree, mirror: PyTree, coefficient: jax.Array,
     """θ − η·Y·(θ − mirror)/ε: the one-direction update along the realised perturbation.
 
     ``mirror`` is θ − εz (`mirror_point` of θ + εz, as `two_point_differences` with
-    ``return_mirror=True`` or `pavejax.paczero.train.zo_signals` return it), so
+    ``return_mirror=True`` returns it), so
     (θ − mirror)/ε is z up to float rounding (|error| <= about ulp(θ)/ε per coordinate, ~1e-4
     of z for weights of size 1 and ε = 1e-3 in float32): the direction whose two-point
     difference was measured. It costs one elementwise pass and no random numbers, against a
@@ -273,29 +279,59 @@ def clip_differences(g: jax.Array, clip: float | jax.Array) -> jax.Array:
     return jnp.clip(g, -c, c)
 
 
+def _direction_sums(leaves: list, keys: jax.Array, coefficients: jax.Array):
+    """Yields (leaf indices, stacked float32 Σ_k Y_k z_k) per group of same-shaped float leaves,
+    regenerating each z_k from its key (K = len(keys)); one group's draws live at a time."""
+    coefficients = coefficients.astype(jnp.float32)
+    for shape, idx in _float_groups(leaves):
+        if keys.shape[0] == 1:
+            yield idx, coefficients[0] * _group_normals(keys[0], shape, idx)
+            continue
+
+        def add(acc, kc, shape=shape, idx=idx):
+            k, c = kc
+            return acc + c * _group_normals(k, shape, idx), None
+
+        zero = jnp.zeros((len(idx), *shape), jnp.float32)
+        yield idx, lax.scan(add, zero, (keys, coefficients))[0]
+
+
 def apply_directions(params: PyTree, keys: jax.Array, coefficients: jax.Array,
                      learning_rate: float | jax.Array) -> PyTree:
     """θ − η · (1/K) Σ_k Y_k z(key_k), regenerating each z_k from its key (K = len(keys)).
 
     ``coefficients`` has shape (K,) (the released scalars Y_k). The sum is formed in float32 and
-    cast back to each leaf's dtype.
+    cast back to each leaf's dtype. Equals ``θ − η · pseudo_gradient(θ, keys, Y)`` without
+    materialising the pseudo-gradient (jit it with ``donate_argnums=0`` to update in place).
     """
-    num = keys.shape[0]
-    step = jnp.asarray(learning_rate, jnp.float32) / jnp.float32(num)
-    coefficients = coefficients.astype(jnp.float32)
+    step = jnp.asarray(learning_rate, jnp.float32) / jnp.float32(keys.shape[0])
     leaves, treedef = jax.tree.flatten(params)
     out = list(leaves)
-    for shape, idx in _float_groups(leaves):
-        if num == 1:
-            total = coefficients[0] * _group_normals(keys[0], shape, idx)
-        else:
-            def add(acc, kc, shape=shape, idx=idx):
-                k, c = kc
-                return acc + c * _group_normals(k, shape, idx), None
-
-            zero = jnp.zeros((len(idx), *shape), jnp.float32)
-            total, _ = lax.scan(add, zero, (keys, coefficients))
+    for idx, total in _direction_sums(leaves, keys, coefficients):
         for j, i in enumerate(idx):
             x = leaves[i]
             out[i] = (x.astype(jnp.float32) - step * total[j]).astype(jnp.result_type(x))
+    return jax.tree.unflatten(treedef, out)
+
+
+def pseudo_gradient(params: PyTree, keys: jax.Array, coefficients: jax.Array) -> PyTree:
+    """The zeroth-order pseudo-gradient g = (1/K) Σ_k Y_k z(key_k), shaped like ``params``.
+
+    Feed it to any optax optimiser in place of a gradient: ``optax.sgd(η)`` then gives exactly
+    the update θ − η g of `apply_directions` (up to rounding). Each z_k is regenerated from its
+    public key; ``coefficients`` (K,) are the released scalars Y_k. Float leaves get float32
+    sums cast to their dtype; non-float leaves get zeros (they are never perturbed). Costs one
+    θ-sized buffer, which `apply_directions` and `update_from_mirror` (the default SGD path)
+    avoid.
+
+    Example:
+      >>> g = pseudo_gradient(params, direction_keys(public_key, t, 1), jnp.array([1.0]))
+      >>> updates, opt_state = optax.adam(1e-3).update(g, opt_state, params)
+    """
+    scale = jnp.float32(1.0) / jnp.float32(keys.shape[0])
+    leaves, treedef = jax.tree.flatten(params)
+    out = [jnp.zeros_like(x) for x in leaves]
+    for idx, total in _direction_sums(leaves, keys, coefficients):
+        for j, i in enumerate(idx):
+            out[i] = (scale * total[j]).astype(jnp.result_type(leaves[i]))
     return jax.tree.unflatten(treedef, out)

@@ -2,18 +2,16 @@
 
 M candidate subsets of an N-example public pool: every example is placed in exactly M/2 of them,
 chosen uniformly without replacement and independently per example, so each example's
-membership prior is exactly 1/2 whatever the secret. The secret j* is uniform on {0..M−1} and is
-drawn from the operating system (`secrets`), never from a generator whose outputs are released
-(the membership matrix, ZPL's coins) nor from the public perturbation seeds: recovering such a
-generator's state from its outputs must not reveal j*.
+membership prior is exactly 1/2 whatever the secret. The membership matrix is public (the
+guarantee assumes the adversary knows it) and is drawn from a public key. The secret index j* is
+uniform on {0..M−1} and is drawn from a secret key (`pavejax.privacy.fresh_key`), never from a
+key whose draws are released: a key is a pseudo-random function, so releasing the coins or
+directions drawn from other keys reveals nothing about j*.
 
-Host side: `membership_matrix`, `draw_secret` (numpy). Device side: `subset_means`,
-`subset_signs`, `unanimous` (jnp, jit-friendly).
+Everything here is jnp and jit-friendly.
 """
 
 from __future__ import annotations
-
-import secrets
 
 import jax
 import jax.numpy as jnp
@@ -31,33 +29,46 @@ def _check_subsets(num_subsets: int) -> int:
     return int(num_subsets)
 
 
-def membership_matrix(rng: np.random.Generator, pool_size: int, num_subsets: int) -> np.ndarray:
+def _check_key(key: jax.Array, name: str) -> None:
+    if not (isinstance(key, jax.Array) and jnp.issubdtype(key.dtype, jax.dtypes.prng_key)
+            and key.shape == ()):
+        raise TypeError(f"{name} must be one typed PRNG key (jax.random.key(...) or "
+                        f"pavejax.privacy.fresh_key()), got {type(key).__name__}"
+                        f"{getattr(key, 'dtype', '')}")
+
+
+def membership_matrix(key: jax.Array, pool_size: int, num_subsets: int) -> jax.Array:
     """Boolean (N, M) matrix: row i marks the M/2 subsets holding example i.
 
-    Each row is an independent uniform choice of M/2 distinct columns (``rng.permutation``), so
-    P(example i ∈ S_m) = 1/2 for every m and every row has exactly M/2 ones.
+    Row i is the first M/2 entries of the uniform permutation
+    ``jax.random.permutation(fold_in(key, i), M)``, so P(example i ∈ S_m) = 1/2 for every m,
+    every row has exactly M/2 ones and rows are independent. ``key`` is public.
     """
     m = _check_subsets(num_subsets)
     if isinstance(pool_size, bool) or not isinstance(pool_size, (int, np.integer)) \
             or pool_size < 1:
         raise ValueError(f"pool_size must be an integer >= 1, got {pool_size!r}")
-    if not isinstance(rng, np.random.Generator):
-        raise TypeError("rng must be a numpy.random.Generator (the mechanism's own generator)")
-    out = np.zeros((int(pool_size), m), dtype=bool)
-    for i in range(int(pool_size)):
-        out[i, rng.permutation(m)[: m // 2]] = True
-    return out
+    _check_key(key, "key")
+    return _membership(key, int(pool_size), m)
 
 
-def draw_secret(rng: np.random.Generator | None, num_subsets: int) -> int:
-    """The secret index j* ~ Uniform{0, ..., M−1}.
+@jax.jit(static_argnums=(1, 2))
+def _membership(key: jax.Array, pool_size: int, m: int) -> jax.Array:
+    rows = jnp.arange(pool_size, dtype=jnp.uint32)
+    perms = jax.vmap(lambda i: jax.random.permutation(jax.random.fold_in(key, i), m))(rows)
+    out = jnp.zeros((pool_size, m), bool)
+    return out.at[rows[:, None].astype(jnp.int32), perms[:, : m // 2]].set(True)
 
-    ``rng=None`` (use this): from the operating system (``secrets.randbelow``). A generator makes
-    j* replayable by whoever knows its seed: for tests only, and never one whose outputs are
-    released.
+
+def draw_secret(key: jax.Array, num_subsets: int) -> jax.Array:
+    """The secret index j* ~ Uniform{0, ..., M−1} as an int32 scalar, from the secret ``key``.
+
+    Whoever holds the key knows j*: draw it from `pavejax.privacy.fresh_key` (the operating
+    system) and keep it out of every release; a key from a fixed seed is for tests only.
     """
     m = _check_subsets(num_subsets)
-    return secrets.randbelow(m) if rng is None else int(rng.integers(m))
+    _check_key(key, "key")
+    return jax.random.randint(key, (), 0, m, jnp.int32)
 
 
 def subset_means(g: jax.Array, membership: jax.Array) -> jax.Array:
