@@ -6,14 +6,24 @@ pseudo-gradient), :mod:`~pavejax.paczero.subsets` (candidate subsets, signs),
 state, ``init`` and the pure steps, MI's two phases) and :mod:`~pavejax.paczero.train` (runs on
 the one driver, `pavejax.training.run`: checkpoint/resume, budgets, dev selection).
 
-Example: 100 ZPL steps under ``lax.scan`` inside your own ``jit``:
+Example: 100 ZPL steps under ``lax.scan`` inside your own ``jit`` (draw the secret ``key`` with
+`pavejax.privacy.fresh_key` in a real run):
 
-  >>> cfg = ZOConfig("zpl", steps=100, learning_rate=0.1, num_subsets=8)
-  >>> state = init(cfg, params, pool_size, key=fresh_key(), public_key=jax.random.key(0))
+  >>> import jax, jax.numpy as jnp
+  >>> from pavejax import paczero
+  >>> pool = {"x": jnp.ones((8, 2)), "y": (jnp.arange(8) % 2).astype(jnp.float32)}
+  >>> def loss_fn(params, frozen, ex):
+  ...     logit = ex["x"] @ params["w"]
+  ...     return jax.nn.softplus(logit) - ex["y"] * logit
+  >>> cfg = paczero.ZOConfig("zpl", steps=100, learning_rate=0.1, num_subsets=4)
+  >>> state = paczero.init(cfg, {"w": jnp.zeros(2)}, 8, key=jax.random.key(1),
+  ...                      public_key=jax.random.key(0))
   >>> def body(s, _):
-  ...     s, charge, stats = step(cfg, loss_fn, s, pool, step_key(s))
+  ...     s, charge, stats = paczero.step(cfg, loss_fn, s, pool, paczero.step_key(s))
   ...     return s, stats["unanimous"]
   >>> state, unanimous = jax.jit(lambda s: jax.lax.scan(body, s, length=100))(state)
+  >>> int(state.step), int(state.releases)
+  (100, 100)
 """
 
 from pavejax.paczero.mechanisms import (

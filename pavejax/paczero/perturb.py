@@ -325,8 +325,14 @@ def pseudo_gradient(params: PyTree, keys: jax.Array, coefficients: jax.Array) ->
     avoid.
 
     Example:
-      >>> g = pseudo_gradient(params, direction_keys(public_key, t, 1), jnp.array([1.0]))
-      >>> updates, opt_state = optax.adam(1e-3).update(g, opt_state, params)
+      >>> import optax
+      >>> params, y = {"w": jnp.zeros(3)}, jnp.array([1.0, -1.0])
+      >>> keys = direction_keys(jax.random.key(0), 0, 2)
+      >>> sgd = optax.sgd(0.1)
+      >>> updates, _ = sgd.update(pseudo_gradient(params, keys, y), sgd.init(params), params)
+      >>> new = optax.apply_updates(params, updates)
+      >>> bool(jnp.allclose(new["w"], apply_directions(params, keys, y, 0.1)["w"]))
+      True
     """
     scale = jnp.float32(1.0) / jnp.float32(keys.shape[0])
     leaves, treedef = jax.tree.flatten(params)
