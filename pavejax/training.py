@@ -64,13 +64,14 @@ class Charge:
     Attributes:
       event: the ``dp_accounting.DpEvent`` of the step's release (static: identical at every
         step of a run), or None when the step releases nothing that DP accounts for.
-      nats: mutual information charged by the step (PAC privacy), an array leaf (may be traced);
-        0 when none.
+      nats: mutual information charged by the step (PAC privacy), an array leaf (may be traced),
+        or None when the step makes no PAC release. A release that costs 0 nats (PACZero-ZPL)
+        is still a release: it is recorded (at 0 nats), so resuming can never forget it.
       label: the ledger label of the charge (static).
     """
 
     event: dp_event.DpEvent | None = None
-    nats: Any = 0.0
+    nats: Any = None
     label: str = ""
 
     def tree_flatten(self):
@@ -133,16 +134,18 @@ def record(ledger: Ledger, charge: Charge, nats: np.ndarray | float | None = Non
     name = label if label is not None else charge.label
     if charge.event is not None:  # a NonPrivateDpEvent too: the ledger then says epsilon = inf
         ledger.record(charge.event, count=count, label=name, coalesce=True)
+    if charge.nats is None and nats is None:
+        return
     per_step = np.asarray(charge.nats if nats is None else nats, np.float64).reshape(-1)
-    if per_step.size and np.any(per_step != 0):
-        if not np.all(np.isfinite(per_step)) or np.any(per_step < 0):
-            raise ValueError(f"a step charged {per_step.tolist()} nats; a charge must be finite "
-                             "and >= 0")
-        if per_step.size == 1:
-            ledger.record_mi(float(per_step[0]), count=count, label=name)
-        else:
-            for v in per_step:
-                ledger.record_mi(float(v), label=name)
+    if not np.all(np.isfinite(per_step)) or np.any(per_step < 0):
+        raise ValueError(f"a step charged {per_step.tolist()} nats; a charge must be finite "
+                         "and >= 0")
+    if per_step.size == 1 or np.all(per_step == per_step[0]):
+        ledger.record_mi(float(per_step[0]), count=count if per_step.size == 1 else per_step.size,
+                         label=name, coalesce=True)
+    else:
+        for v in per_step:
+            ledger.record_mi(float(v), label=name, coalesce=True)
 
 
 @functools.lru_cache(maxsize=64)
@@ -158,7 +161,8 @@ def _like_key(key: jax.Array | None) -> jax.Array:
 
 
 def run(step: StepFn, state: PyTree, key: jax.Array | None, steps: int, *,
-        batch: PyTree = None, ledger: Ledger, checkpointer=None, run_record: dict[str, Any] | None = None,
+        batch: PyTree = None, ledger: Ledger, checkpointer=None,
+        run_record: dict[str, Any] | None = None,
         steps_per_call: int = 1, check: Callable[[PyTree], None] | None = None,
         host: Callable[[PyTree, PyTree, PyTree, int], tuple[PyTree, PyTree, Charge]] | None = None,
         host_state: PyTree = None, metric: Callable[[PyTree], Any] | None = None,
@@ -260,7 +264,8 @@ def run(step: StepFn, state: PyTree, key: jax.Array | None, steps: int, *,
                 one = jax.tree.map(lambda x: x[0], stats)
                 new_host, new_state, host_charge = host(host_state, new_state, one, t)
                 record(ledger, host_charge)
-            record(ledger, charge, np.asarray(charges.nats), count=n)
+            record(ledger, charge, None if charges.nats is None else np.asarray(charges.nats),
+                   count=n)
             state, host_state = new_state, new_host
             if metric is not None:
                 metrics.extend(float(v) for v in np.asarray(metric(stats)).reshape(-1))

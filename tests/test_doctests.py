@@ -36,8 +36,8 @@ def test_docstring_examples_run(name):
     module = importlib.import_module(name)
     # user code: JAX's default promotion rules (the suite itself runs strict)
     with jax.numpy_dtype_promotion("standard"), jax.numpy_rank_promotion("allow"):
-        result = doctest.testmod(module, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE,
-                                 verbose=False, report=False)
+        flags = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
+        result = doctest.testmod(module, optionflags=flags, verbose=False, report=False)
     assert result.attempted > 0, f"{name}: no example ran"
     assert result.failed == 0, f"{name}: {result.failed} of {result.attempted} examples failed " \
                                "(run `python -m doctest -v` on the module to see them)"

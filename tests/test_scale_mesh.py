@@ -9,9 +9,8 @@ import numpy as np
 import pytest
 
 from pavejax import lora
-from pavejax.privacy import pad_batch
 from pavejax.paczero import train as zo_train, two_point_differences
-from pavejax.privacy import ClipConfig, clipped_sum, data_mesh, replicate, shard_batch
+from pavejax.privacy import ClipConfig, clipped_sum, data_mesh, pad_batch, replicate, shard_batch
 from tests import _scale_problems as P
 
 
@@ -90,8 +89,8 @@ def test_paczero_on_a_sharded_pool_equals_one_device(mesh8, mechanism):
                               cfg.perturbation_scale)
     assert int(jnp.sum(jnp.abs(g) > P.TIGHT)) > 0  # clipping is active
     pool8, start8 = shard_batch(pool, mesh8), replicate(start, mesh8)
-    g8 = jax.jit(two_point_differences, static_argnums=0)(P.zo_loss, start8, None, pool8,
-                                                           jax.random.key(0), cfg.perturbation_scale)
+    g8 = jax.jit(two_point_differences, static_argnums=0)(
+        P.zo_loss, start8, None, pool8, jax.random.key(0), cfg.perturbation_scale)
     assert len(g8.sharding.device_set) == 8 and not g8.sharding.is_fully_replicated
     np.testing.assert_allclose(g8, g, rtol=1e-5, atol=1e-6)  # the forward passes split 8 ways
     one = zo_train(cfg, P.zo_loss, P.zo_init(cfg), None, pool)

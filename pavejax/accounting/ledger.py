@@ -310,8 +310,10 @@ class Ledger:
         """The recorded mutual-information charges, oldest first."""
         return tuple(self._mi_entries)
 
-    def record_mi(self, nats: float, count: int = 1, *, label: str = "") -> MIEntry:
-        """Appends a PAC-Privacy charge of ``nats`` (>= 0, finite) repeated ``count`` times.
+    def record_mi(self, nats: float, count: int = 1, *, label: str = "",
+                  coalesce: bool = False) -> MIEntry:
+        """Appends a PAC-Privacy charge of ``nats`` (>= 0, finite) repeated ``count`` times
+        (with ``coalesce``, extends the last entry when it has the same nats and label).
 
         Charges compose by the chain rule of mutual information: `mutual_information` is their
         sum. Raises ValueError for a negative or non-finite charge or a bad count.
@@ -321,7 +323,13 @@ class Ledger:
         nats = _check_real("nats", nats)
         if nats < 0.0:
             raise ValueError(f"a mutual-information charge must be >= 0 nats, got {nats!r}")
-        entry = MIEntry(nats=nats, count=_check_count("count", count), label=label)
+        count = _check_count("count", count)
+        if coalesce and self._mi_entries and self._mi_entries[-1].nats == nats \
+                and self._mi_entries[-1].label == label:
+            self._mi_entries[-1] = MIEntry(nats=nats, count=self._mi_entries[-1].count + count,
+                                           label=label)
+            return self._mi_entries[-1]
+        entry = MIEntry(nats=nats, count=count, label=label)
         self._mi_entries.append(entry)
         return entry
 

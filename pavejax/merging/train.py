@@ -469,7 +469,7 @@ def make_step(loss_fn: LossFn, cfg: MergeTrainConfig, *,
             ab, am = b, m
         state, stats = dp_sam_step(loss_fn, cfg, state, batch.frozen, batch.anchor_params, b, m,
                                    ab, am, k_step, z, anchor, optimizer=opt, mesh=mesh)
-        return state, Charge(event, jnp.float32(0), label), stats._replace(overflow=overflow)
+        return state, Charge(event, label=label), stats._replace(overflow=overflow)
 
     return step
 

@@ -253,9 +253,9 @@ def step_charge(config: ZOConfig, pool_size: int, noise_multiplier: float | None
                              "dpzo_noise_multiplier(config, pool_size)")
         event = dpzo_step_event(float(noise_multiplier), num_directions=config.num_directions,
                                 q=config.dp_batch_size / int(pool_size))
-        return Charge(event=event, nats=jnp.zeros((), jnp.float32), label=config.label)
+        return Charge(event=event, label=config.label)
     if config.mechanism == "mezo":
-        return Charge(event=dp_event.NonPrivateDpEvent(), nats=jnp.zeros((), jnp.float32),
+        return Charge(event=dp_event.NonPrivateDpEvent(),
                       label=config.label)
     return Charge(nats=jnp.full((), mech.ZPL_NATS, jnp.float32), label=config.label)
 
@@ -349,7 +349,7 @@ def step(config: ZOConfig, loss_fn: LossFn, state: ZOState, pool: PyTree, key: j
     state = _apply(config, state, keys, values, agree, mirror, optimizer)
     sigma = noise_multiplier if isinstance(noise_multiplier, int | float) else None
     charge = (step_charge(config, n, sigma) if config.mechanism != "dpzo" or sigma is not None
-              else Charge(nats=jnp.zeros((), jnp.float32), label=config.label))
+              else Charge(label=config.label))
     stats = {"release": values, "unanimous": jnp.sum(agree.astype(jnp.int32)),
              "overflow": overflow}
     return state, charge, stats

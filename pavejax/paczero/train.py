@@ -168,8 +168,7 @@ def _driver_step(config: ZOConfig, loss_fn: Callable, dev_fn: Callable | None,
         if config.mechanism == "mi":  # device phase only; the host hook releases and updates
             signals = mi_device_phase(config, loss_fn, state, pool, step_key(state),
                                       frozen=frozen)
-            return carry, training.Charge(nats=jnp.zeros((), jnp.float32),
-                                          label=config.label), signals
+            return carry, training.Charge(label=config.label), signals
         state, charge, stats = step(config, loss_fn, state, pool, step_key(state),
                                     frozen=frozen, noise_multiplier=sigma, optimizer=optimizer)
         return (state, _select(config, dev_fn, sel, state, frozen)), charge, stats

@@ -612,7 +612,7 @@ class SpecDPPlan(NamedTuple):
         m = info.mask.astype(jnp.float32)
         loss = jnp.sum(info.losses * m) / jnp.maximum(jnp.sum(m), 1.0)
         return ((optax.apply_updates(B, updates), opt_state),
-                Charge(self.dp_config.step_event(), jnp.float32(0), "dp-s-pave"),
+                Charge(self.dp_config.step_event(), label="dp-s-pave"),
                 SpecStepStats(loss, info.num_nonfinite, info.overflow))
 
 

@@ -202,11 +202,13 @@ def _chunk_clipped_sum(loss_fn, trainable, frozen, batch, mask, cfg: ClipConfig)
     finite = jnp.isfinite(norms) & jnp.isfinite(losses)
     keep = mask & finite
     if cfg.clipping == "joint":
-        coefs = jax.tree.map(lambda _: jnp.where(keep, clip_coefficients(norms, cfg.l2_clip), 0.0), grads)
+        coefs = jax.tree.map(
+            lambda _: jnp.where(keep, clip_coefficients(norms, cfg.l2_clip), 0.0), grads)
         scale = jnp.where(keep, clip_coefficients(norms, cfg.l2_clip), 1.0)
     else:
         coefs = jax.tree.map(
-            lambda g: jnp.where(keep, clip_coefficients(per_example_norms(g), cfg.l2_clip), 0.0), grads)
+            lambda g: jnp.where(keep, clip_coefficients(per_example_norms(g), cfg.l2_clip), 0.0),
+            grads)
         scale = jnp.where(keep, clip_coefficients(norms, cfg.l2_clip), 1.0)
 
     def fast(grads):
