@@ -584,7 +584,9 @@ class SpecDPPlan(NamedTuple):
     backbone params, aux)`` and ``data`` the spec inputs plus ``"__target"`` rows (what
     :func:`generate_spec` builds); :meth:`step` samples, clips, adds the noise, applies the
     optimiser and returns ``(state, Charge, SpecStepStats)``. ``generate_spec`` is this step
-    under :func:`pavejax.training.run` with ``fold_in(noise_key, t)`` as step t's key.
+    under :func:`pavejax.training.run` with ``fold_in(noise_key, t)`` as step t's key. Any optax
+    optimiser drives it: ``plan._replace(optimizer=optax.adamw(schedule))`` (the optimiser
+    only post-processes the noisy gradient, so the charge is unchanged).
     """
 
     sampling: SamplingConfig
