@@ -30,9 +30,10 @@ release, the update) / one forward pass, with LoRA on query/value, as the median
 on a shared machine do not stretch); ``step_over_forward_full`` the same with every weight
 perturbed; ``mem_over_inference`` (LoRA) and ``mem_over_inference_full`` = the compiled step's
 bytes / inference's, from XLA's buffer assignment (arguments + temporaries + outputs, less
-donated aliases). With all weights perturbed the step needs inference memory plus one copy
-of θ (θ ± εz built from an untouched θ in the loop that runs the two passes), so that ratio
-is about 1 + θ / inference: about 1.8 on the 32 x 64 batch, lower when activations are larger.
+donated aliases; both hold every weight, read or not). With all weights perturbed the step
+needs inference memory plus one copy of θ (θ ± εz built from an untouched θ in the loop that
+runs the two passes, one group of same-shaped draws at a time), so that ratio is about
+1 + θ / inference: about 1.76 on the 32 x 64 batch, lower when activations are larger.
 """
 
 from __future__ import annotations
@@ -300,8 +301,11 @@ def _cost(loss, trainable, frozen, batch, repeats, microbatch):
                  public_key=jax.random.key(0))
     one = jax.jit(lambda s, b, fr: step(cfg, loss, s, b, step_key(s), frozen=fr)[0],
                   donate_argnums=0).lower(state, batch, frozen).compile()
-    forward = jax.jit(lambda tr, fr, b: per_example_losses(loss, tr, fr, b, microbatch)).lower(
-        trainable, frozen, batch).compile()
+    # keep_unused: inference holds every weight, as the step does (it passes all of them into
+    # its loop); pruned, a weight the forward never reads (MiniLM's pooler) would count as step
+    # memory.
+    forward = jax.jit(lambda tr, fr, b: per_example_losses(loss, tr, fr, b, microbatch),
+                      keep_unused=True).lower(trainable, frozen, batch).compile()
     held = {"s": state}
 
     def zo_step():

@@ -82,7 +82,7 @@ def test_step_cost_and_memory_ratios(bench, tiny):
     # Two forward passes per step; LoRA factors are tiny, so the step needs inference memory
     # (plus, at 16 examples, a few kilobytes of its own: the membership matrix, the counters).
     assert ratio > 1.3
-    assert 1.0 <= mem <= 1.08
+    assert 1.0 <= mem <= 1.05
     full_logits = lambda tr, fr, d: nnx.merge(graphdef, tr)(  # noqa: E731
         d["input_ids"], d["attention_mask"])
     full_loss = bench._per_example(full_logits)
@@ -90,10 +90,13 @@ def test_step_cost_and_memory_ratios(bench, tiny):
     # All weights perturbed: the peak is inference plus exactly one copy of θ (no piece of the
     # step, θ + εz with its draws, the mirror, the update, needs more), never a second copy.
     inference = bench._bytes(jax.jit(lambda tr, b: jax.vmap(
-        lambda ex: full_loss(tr, None, ex))(b)).lower(params, data["pool"]).compile())
+        lambda ex: full_loss(tr, None, ex))(b), keep_unused=True).lower(
+            params, data["pool"]).compile())
     one_copy = bench._tree_bytes(params) / inference
-    # (the tiny pool's small buffers, the losses and the step's counters, show up at 16 examples)
-    assert 1.0 + 0.95 * one_copy <= mem_full <= 1.0 + 1.2 * one_copy
+    # (the tiny pool's small buffers, the losses and the step's counters, show up at 16 examples:
+    # under a tenth of this tiny θ; the z stacks of all same-shaped groups held at once, rather
+    # than one group at a time, add more than that)
+    assert 1.0 + 0.95 * one_copy <= mem_full <= 1.0 + 1.1 * one_copy
     assert mem_full < 2.0
 
 

@@ -134,12 +134,23 @@ def _leaf_normals(key: jax.Array, leaves: list) -> list:
     return out
 
 
-def _group_normals(key: jax.Array, shape: tuple, idx: list[int]) -> jax.Array:
-    """Stacked (len(idx), *shape) float32 draws ``normal(fold_in(key, i))`` for i in idx."""
+def _group_normals(key: jax.Array, shape: tuple, idx: list[int],
+                   after: jax.Array | None = None) -> jax.Array:
+    """Stacked (len(idx), *shape) float32 draws ``normal(fold_in(key, i))`` for i in idx.
+
+    ``after`` (a float32 scalar, any value): the stack's buffer is filled with it before the
+    draws overwrite every row, so the buffer is not allocated before ``after`` is computed."""
     ids = jnp.asarray(idx, jnp.uint32)
     if len(idx) == 1:
         return _normal(jax.random.fold_in(key, ids[0]), shape)[None]
-    return lax.map(lambda i: _normal(jax.random.fold_in(key, i), shape), ids)
+    if after is None:
+        return lax.map(lambda i: _normal(jax.random.fold_in(key, i), shape), ids)
+
+    def body(j, acc):
+        return lax.dynamic_update_index_in_dim(
+            acc, _normal(jax.random.fold_in(key, ids[j]), shape), j, 0)
+
+    return lax.fori_loop(0, len(idx), body, jnp.full((len(idx), *shape), after, jnp.float32))
 
 
 def direction(key: jax.Array, params: PyTree) -> PyTree:
@@ -153,11 +164,22 @@ def direction(key: jax.Array, params: PyTree) -> PyTree:
 
 
 def perturbed(params: PyTree, key: jax.Array, scale: float | jax.Array) -> PyTree:
-    """θ + scale·z(key), computed leaf by leaf in float32 and cast back to each leaf's dtype."""
+    """θ + scale·z(key), computed leaf by leaf in float32 and cast back to each leaf's dtype.
+
+    The groups of same-shaped leaves are drawn one after another, so besides θ and the result
+    it holds one group's draws at a time (at most one largest leaf of float32)."""
     leaves, treedef = jax.tree.flatten(params)
     scale = jnp.asarray(scale, jnp.float32)
-    out = [x if z is None else (x.astype(jnp.float32) + scale * z).astype(jnp.result_type(x))
-           for x, z in zip(leaves, _leaf_normals(key, leaves), strict=True)]
+    out = list(leaves)
+    after = jnp.float32(0.0)
+    for shape, idx in _float_groups(leaves):
+        zs = _group_normals(key, shape, idx, after=after)
+        for j, i in enumerate(idx):
+            x = leaves[i]
+            out[i] = (x.astype(jnp.float32) + scale * zs[j]).astype(jnp.result_type(x))
+        # 0·(this group's results): the next group's draws cannot start before they exist, so
+        # one group's z stack is live at a time (unordered, XLA allocates every stack at once).
+        after = jnp.float32(0.0) * sum(out[i].reshape(-1)[0].astype(jnp.float32) for i in idx)
     return jax.tree.unflatten(treedef, out)
 
 
