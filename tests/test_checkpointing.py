@@ -231,7 +231,7 @@ def test_dp_s_pave_resume_takes_the_checkpoint_noise_key(tmp_path):
     whole = PR.run_spec(steps=3)  # noise key PR.SPEC_NOISE_KEY throughout
     with TrainCheckpointer(tmp_path / "run") as ckpt:
         PR.run_spec(ckpt, steps=2)  # the same key, stopped after step 2
-        with pytest.raises(ValueError, match="noise_key differs"):
+        with pytest.raises(ValueError, match="key differs from the key of the run"):
             PR.run_spec(ckpt, steps=3, noise_key=jax.random.key(0))
         resumed = PR.run_spec(ckpt, steps=3, noise_key=None)  # a fresh key would differ
     assert resumed.spec.vector.tobytes() == whole.spec.vector.tobytes()
