@@ -7,6 +7,9 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.pavejax-installed
 ASSETS_STAMP := $(VENV)/.pavejax-assets
 PYTEST_ARGS ?=
+# Two pytest workers (one per core on a laptop); each test file stays on one worker, so its
+# module fixtures (real MiniLM, compiled steps) are built once.
+PYTEST_WORKERS ?= 2
 
 .PHONY: demo test install assets bench clean
 
@@ -28,7 +31,8 @@ $(ASSETS_STAMP): $(STAMP) pavejax/assets.py
 assets: $(ASSETS_STAMP)
 
 test: $(ASSETS_STAMP)
-	XLA_FLAGS=--xla_force_host_platform_device_count=8 $(PY) -m pytest -q $(PYTEST_ARGS)
+	XLA_FLAGS=--xla_force_host_platform_device_count=8 $(PY) -m pytest -q \
+		-n $(PYTEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 demo: $(ASSETS_STAMP)
 	$(PY) -m pavejax demo

@@ -36,24 +36,9 @@ from pavejax.paczero import (
     two_point_differences,
 )
 from pavejax.training import Charge
+from tests.test_paczero_train import loss, make_pool, start
 
 N, D, M = 32, 4, 8
-
-
-def make_pool():
-    rng = np.random.default_rng(0)
-    x = rng.normal(size=(N, D)).astype(np.float32)
-    y = (x @ np.array([1.0, -2.0, 0.5, 1.0], np.float32) > 0).astype(np.int32)
-    return {"x": jnp.asarray(x), "y": jnp.asarray(y)}
-
-
-def loss(tr, fr, ex):
-    logit = jnp.dot(ex["x"], tr["w"]) + tr["b"]
-    return jax.nn.softplus(logit) - ex["y"].astype(jnp.float32) * logit
-
-
-def start():
-    return {"w": jnp.zeros((D,), jnp.float32), "b": jnp.zeros((), jnp.float32)}
 
 
 def state_of(cfg, **kw):

@@ -56,6 +56,7 @@ from dp_accounting import dp_event
 from pavejax.accounting import calibrate, dpzo_step_event, run_event
 from pavejax.paczero import mechanisms as mech
 from pavejax.paczero.perturb import (
+    _num_examples,
     apply_directions,
     clip_differences,
     direction_keys,
@@ -258,14 +259,6 @@ def step_charge(config: ZOConfig, pool_size: int, noise_multiplier: float | None
         return Charge(event=dp_event.NonPrivateDpEvent(),
                       label=config.label)
     return Charge(nats=jnp.full((), mech.ZPL_NATS, jnp.float32), label=config.label)
-
-
-def _num_examples(batch: PyTree) -> int:
-    sizes = {jnp.shape(x)[0] for x in jax.tree.leaves(batch)}
-    if len(sizes) != 1:
-        raise ValueError(f"every pool leaf needs the same leading (example) axis, got sizes "
-                         f"{sorted(sizes)}")
-    return sizes.pop()
 
 
 def _differences(config: ZOConfig, loss_fn: LossFn, state: ZOState, batch: PyTree,
