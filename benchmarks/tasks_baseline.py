@@ -14,7 +14,8 @@ Full mode (sized for one accelerator; about 40 minutes on 2 CPU cores): 1,024 tr
 examples per task (stratified), 64 tokens. ``--quick``: probe and LoRA only, 128 / 128
 examples, 32 tokens, the recipes' other settings with batch 16. Rows: task, method, classes,
 examples, steps, test accuracy, the test set's majority-class rate, and seconds (tokenisation
-excluded; compilation included). Summary: ``probe_<task>``, ``lora_<task>`` and ``full_<task>`` test accuracies and
+excluded; compilation included). Summary: ``probe_<task>``, ``lora_<task>`` and
+``full_<task>`` test accuracies and
 their means, and ``lora_minus_probe_<task>``.
 
 ``--sweep``: the choice of the recipes. For each task family and each method, every candidate of

@@ -10,7 +10,8 @@ decay to zero, a number of epochs over shuffled minibatches.
 ``python benchmarks/tasks_baseline.py --sweep`` on the **dev** splits of ``movie`` and
 ``tweets`` (sentiment) and ``bbc`` (topic) (all-MiniLM-L6-v2, 1,024 training examples per task,
 64 tokens), before any test split was read (``amazon`` and ``nyt`` were not seen by the
-choice); the sweep writes its table and the chosen recipes to JSON, and :func:`load_recipes` reads such a file back, so a
+choice); the sweep writes its table and the chosen recipes to JSON, and :func:`load_recipes`
+reads such a file back, so a
 user can re-run the choice on their own data and use it in place of the presets.
 
 A private counterpart starts from the same recipe and changes only what privacy requires:

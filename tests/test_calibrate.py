@@ -15,11 +15,11 @@ from scipy import optimize, stats
 from pavejax.accounting import (
     calibrate,
     calibrate_steps,
+    calibration as cal,
     dp_sam_step_event,
     gaussian_step_event,
     run_event,
 )
-from pavejax.accounting import calibration as cal
 
 DELTA = 1e-5
 RTOL = 1e-3

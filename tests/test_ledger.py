@@ -15,10 +15,10 @@ import pytest
 from scipy import optimize, stats
 
 from pavejax.accounting import (
+    DP_SAM_MODES,
     BudgetExceededError,
     Ledger,
     Relation,
-    DP_SAM_MODES,
     dp_sam_step_event,
     dpzo_step_event,
     event_from_json,
@@ -264,7 +264,8 @@ def test_dp_sam_and_dpzo_step_events_structure():
     assert dp_sam_step_event("same", 2.0) == dpa.ComposedDpEvent([g, g])  # q = 1: no sampling
     assert dp_sam_step_event("same", 2.0, sampling="fixed", dataset_size=40, batch_size=10) == (
         dpa.SampledWithoutReplacementDpEvent(40, 10, dpa.ComposedDpEvent([g, g])))
-    # K directions of per-coordinate noise sigma C on an L2 bound C sqrt(K): multiplier sigma/sqrt(K)
+    # K directions of per-coordinate noise sigma C on an L2 bound C sqrt(K):
+    # multiplier sigma / sqrt(K)
     assert dpzo_step_event(2.0, num_directions=4, q=0.1) == dpa.PoissonSampledDpEvent(
         0.1, dpa.GaussianDpEvent(1.0))
     with pytest.raises(ValueError, match="mode must be one of"):

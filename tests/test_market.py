@@ -18,8 +18,8 @@ from pavejax.experiments import (
     developer_classifier,
     evaluate_market,
     example_hashes,
+    market as mk,
 )
-from pavejax.experiments import market as mk
 from pavejax.optim import promotion_safe
 
 SMALL = MarketConfig(track="vision", n_developers=8, n_users=4, shots_per_class=3, seed=0,

@@ -167,7 +167,8 @@ def calibrate(make_event: MakeEvent, epsilon: float, delta: float, *,
     does not meet the target.
 
     Method: Brent's method on log ε(z) = log epsilon over log z (few accountant calls); the
-    answer is the smallest feasible z it evaluated. Every accountant call is memoised. Under PLD, a run of
+    answer is the smallest feasible z it evaluated. Every accountant call is memoised. Under
+    PLD, a run of
     unsampled Gaussian queries first tries the exact Gaussian mechanism's z (pessimistic PLD
     never needs less noise; if a hair above it is feasible, it is the answer to within rtol),
     and a finer grid than 1e-3 is searched around the answer on the 1e-3 grid (a tenth of the

@@ -60,6 +60,7 @@ import numpy as np
 import optax
 from dp_accounting import dp_event
 
+from pavejax import training
 from pavejax.accounting import (
     DP_SAM_MODES,
     Ledger,
@@ -67,7 +68,6 @@ from pavejax.accounting import (
     dp_sam_step_event,
     run_event,
 )
-from pavejax import training
 from pavejax.checkpointing import TrainCheckpointer, run_record, tree_fingerprint
 from pavejax.optim import promotion_safe
 from pavejax.privacy import (

@@ -52,12 +52,11 @@ import numpy as np
 import optax
 from tqdm.auto import tqdm
 
-from pavejax import lora
+from pavejax import lora, training
 from pavejax._releasable import REPLAYABLE
 from pavejax.accounting import Ledger, calibrate, gaussian_step_event, run_event
 from pavejax.checkpointing import TrainCheckpointer, run_record
 from pavejax.optim import promotion_safe
-from pavejax import training
 from pavejax.privacy import (
     ClipConfig,
     DPConfig,
@@ -67,8 +66,8 @@ from pavejax.privacy import (
     private_gradient,
     replicate,
 )
-from pavejax.training import Charge
 from pavejax.spec_types import PaveSpec, SpecSignature
+from pavejax.training import Charge
 
 __all__ = [
     "PRESETS",

@@ -5,7 +5,6 @@ checks (:func:`check_step`) and :class:`DPGradient` are thin wrappers around the
 """
 
 from pavejax.privacy.checks import NonFiniteError as NonFiniteError, check_step as check_step
-
 from pavejax.privacy.clipping import (
     ClipConfig as ClipConfig,
     ClipResult as ClipResult,

@@ -30,8 +30,6 @@ from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 import jax
-import jax.numpy as jnp
-
 import optax
 
 from pavejax.privacy.checks import check_step
