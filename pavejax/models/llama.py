@@ -262,9 +262,30 @@ class LlamaBlock(nnx.Module):
         self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype=param_dtype)
         self.mlp = LlamaMLP(cfg, param_dtype=param_dtype, rngs=rngs)
 
+    def attention(self, h: Array, positions: Array, mask: Array, *,
+                  lora: LoraAdapters | None = None, query_index: Array | None = None) -> Array:
+        """The attention half, residual included: ``h + attn(norm(h))`` (arguments as
+        :meth:`__call__`; ``lora`` paths relative to this block). Returns (B, Tq, hidden)."""
+        attn_lora = None if lora is None else lora.under("attn")
+        x = self.attn_norm(h)
+        k, v = self.attn.keys_values(x, positions, attn_lora)
+        if query_index is None:
+            hq, xq, pq = h, x, positions
+        else:
+            idx = query_index[..., None]
+            hq = jnp.take_along_axis(h, idx, axis=1)
+            xq = jnp.take_along_axis(x, idx, axis=1)
+            pq = jnp.take_along_axis(positions, query_index, axis=1)
+        q = self.attn.queries(xq, pq, attn_lora)
+        return hq + self.attn.output(_attend(q, k, v, mask), attn_lora)
+
+    def feed_forward(self, h: Array, *, lora: LoraAdapters | None = None) -> Array:
+        """The feed-forward half, residual included: ``h + mlp(norm(h))``; (..., hidden)."""
+        return h + self.mlp(self.mlp_norm(h), None if lora is None else lora.under("mlp"))
+
     def __call__(self, h: Array, positions: Array, mask: Array, *,
                  lora: LoraAdapters | None = None, query_index: Array | None = None) -> Array:
-        """One block.
+        """One block: :meth:`attention` then :meth:`feed_forward`.
 
         Args:
           h: (B, T, hidden) input hidden states.
@@ -277,20 +298,8 @@ class LlamaBlock(nnx.Module):
         Returns:
           (B, Tq, hidden) output hidden states.
         """
-        attn_lora = None if lora is None else lora.under("attn")
-        mlp_lora = None if lora is None else lora.under("mlp")
-        x = self.attn_norm(h)
-        k, v = self.attn.keys_values(x, positions, attn_lora)
-        if query_index is None:
-            hq, xq, pq = h, x, positions
-        else:
-            idx = query_index[..., None]
-            hq = jnp.take_along_axis(h, idx, axis=1)
-            xq = jnp.take_along_axis(x, idx, axis=1)
-            pq = jnp.take_along_axis(positions, query_index, axis=1)
-        q = self.attn.queries(xq, pq, attn_lora)
-        h = hq + self.attn.output(_attend(q, k, v, mask), attn_lora)
-        return h + self.mlp(self.mlp_norm(h), mlp_lora)
+        h = self.attention(h, positions, mask, lora=lora, query_index=query_index)
+        return self.feed_forward(h, lora=lora)
 
 
 _BLOCK_DENSES = ("attn/q", "attn/k", "attn/v", "attn/o", "mlp/gate", "mlp/up", "mlp/down")
