@@ -1,6 +1,6 @@
 """Flax NNX models: a BERT encoder that loads all-MiniLM-L6-v2 from safetensors (no torch),
-its fixed-shape tokenizer, cached frozen sentence features, classification heads, and small
-MLP/CNN backbones for vision tasks."""
+its fixed-shape tokenizer, cached frozen sentence features, classification heads, small
+MLP/CNN backbones for vision tasks, and a Llama-family causal LM with KV-cache generation."""
 
 from pavejax.models.bert import (
     BertConfig,
@@ -11,6 +11,7 @@ from pavejax.models.bert import (
     sentence_embedding,
 )
 from pavejax.models.embed import embed_texts
+from pavejax.models.generate import Generation, KVCache, generate, init_cache
 from pavejax.models.heads import (
     ClassifierHead,
     TextClassifier,
@@ -20,6 +21,18 @@ from pavejax.models.heads import (
     label_space_head,
     public_random_head,
     public_random_projection,
+)
+from pavejax.models.llama import (
+    LlamaAttention,
+    LlamaBlock,
+    LlamaConfig,
+    LlamaLM,
+    LlamaMLP,
+    RMSNorm,
+    apply_rope,
+    causal_mask,
+    positions_from_mask,
+    rope_tables,
 )
 from pavejax.models.loading import (
     BERT_IGNORED_TENSORS,
@@ -49,22 +62,34 @@ __all__ = [
     "BertConfig",
     "BertEncoder",
     "ClassifierHead",
+    "Generation",
+    "KVCache",
+    "LlamaAttention",
+    "LlamaBlock",
+    "LlamaConfig",
+    "LlamaLM",
+    "LlamaMLP",
     "Pretrained",
     "PretrainConfig",
+    "RMSNorm",
     "SmallCNN",
     "TextClassifier",
     "TokenBatch",
     "Tokenizer",
     "TorchTarget",
     "apply_head",
+    "apply_rope",
     "bert_torch_names",
     "build_model",
+    "causal_mask",
     "classification_loss",
     "embed_texts",
     "example_loss",
     "fit_classifier",
+    "generate",
     "gelu",
     "head0",
+    "init_cache",
     "l2_normalize",
     "label_space_head",
     "load_bert",
@@ -72,9 +97,11 @@ __all__ = [
     "load_state_from_torch_names",
     "mean_pool",
     "parameter_count",
+    "positions_from_mask",
     "pretrain_backbone",
     "public_random_head",
     "public_random_projection",
+    "rope_tables",
     "sentence_embedding",
     "with_new_head",
 ]

@@ -134,7 +134,8 @@ class RMSNorm(nnx.Module):
     def __call__(self, x: Array) -> Array:
         x32 = x.astype(jnp.float32)
         inv = jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return (x32 * inv * self.scale[...].astype(jnp.float32)).astype(x.dtype)
+        scale = self.scale[...].astype(jnp.float32).reshape((1,) * (x.ndim - 1) + (-1,))
+        return (x32 * inv * scale).astype(x.dtype)
 
 
 def rope_tables(positions: Array, head_dim: int, theta: float) -> tuple[Array, Array]:
@@ -142,7 +143,9 @@ def rope_tables(positions: Array, head_dim: int, theta: float) -> tuple[Array, A
 
     Angle ``p * theta ** (-2 i / head_dim)`` for frequency ``i`` (the Llama convention)."""
     inv_freq = theta ** (-jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
-    angles = positions.astype(jnp.float32)[..., None] * inv_freq
+    positions = jnp.asarray(positions)
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq.reshape(
+        (1,) * positions.ndim + (-1,))
     return jnp.cos(angles), jnp.sin(angles)
 
 
@@ -360,18 +363,25 @@ class LlamaLM(nnx.Module):
                    query_index: Array | None = None) -> Array:
         """Blocks ``start .. stop - 1`` on hidden states ``h`` (B, T, hidden).
 
-        ``lora`` paths are relative to the model (``"layers/3/attn/q/kernel"``). ``query_index``
-        (B, Tq) restricts the LAST block run to those positions (see :meth:`LlamaBlock.__call__`);
+        ``mask`` is the (B, T, T) :func:`causal_mask`. ``lora`` paths are relative to the model
+        (``"layers/3/attn/q/kernel"``). ``query_index`` (B, Tq) restricts the LAST block run to
+        those positions (see :meth:`LlamaBlock.__call__`; its mask rows are taken from ``mask``);
         then the output is (B, Tq, hidden)."""
         stop = self.config.num_layers if stop is None else stop
         if not 0 <= start <= stop <= self.config.num_layers:
             raise ValueError(f"need 0 <= start <= stop <= {self.config.num_layers}, got "
                              f"start={start}, stop={stop}")
+        t = h.shape[1]
+        if tuple(mask.shape[1:]) != (t, t):
+            raise ValueError(f"mask must be the (B, T, T) causal_mask of the {t} positions of h, "
+                             f"got shape {tuple(mask.shape)}")
         for i in range(start, stop):
             layer_lora = None if lora is None else lora.under(f"layers/{i}")
-            last = i == stop - 1
-            h = self.layers[i](h, positions, mask, lora=layer_lora,
-                               query_index=query_index if last else None)
+            if i == stop - 1 and query_index is not None:
+                rows = jnp.take_along_axis(mask, query_index[..., None], axis=1)
+                return self.layers[i](h, positions, rows, lora=layer_lora,
+                                      query_index=query_index)
+            h = self.layers[i](h, positions, mask, lora=layer_lora)
         return h
 
     def output_matrix(self) -> Array:
@@ -423,3 +433,76 @@ class LlamaLM(nnx.Module):
         h = self.run_layers(h, positions, causal_mask(attention_mask), lora=lora)
         out = self.logits(h)
         return out[0] if single else out
+
+    def forward_cached(self, input_ids: Array, attention_mask: Array, cache: Any, *,
+                       lora: LoraAdapters | None = None) -> tuple[Array, Any]:
+        """Next-token logits of ``T`` new tokens that attend to a key/value cache.
+
+        The new tokens go into cache slots ``cache.length .. cache.length + T - 1`` of every row
+        (one slot index for the whole batch; static shapes). A real token's rotary position is
+        ``cache.next_position`` plus its rank among the row's new real tokens, so padding (left
+        or right, in the prompt or later) never shifts positions. Query slot ``s`` attends to the
+        valid slots ``<= s``. Used for the prompt (prefill, ``T`` = prompt length) and for
+        one-token decoding (``T = 1``); jit it with the cache donated so the update is in place.
+
+        Args:
+          input_ids: (B, T) integer ids.
+          attention_mask: (B, T), nonzero on real tokens; a padded slot is never attended to.
+          cache: a :class:`pavejax.models.KVCache` of this model's shape (from
+            :func:`pavejax.models.init_cache`) with room for ``T`` more slots.
+          lora: optional factored adapters, as in :meth:`__call__`.
+
+        Returns:
+          ``(logits, cache)``: (B, T, vocab) float32 logits (row ``t`` scores the token after
+          ``t``; padded rows hold finite values to ignore) and the cache with the ``T`` slots
+          written, ``length`` advanced by ``T`` and ``next_position`` by each row's real count.
+
+        Sharp edge: ``cache.length`` is traced, so writing past the cache's capacity cannot be
+        detected; ``jax.lax.dynamic_update_slice`` would then clamp the write onto the last
+        slots. Size the cache for the prompt plus every decoding step.
+        """
+        _check_ids(input_ids, self.config)
+        if input_ids.ndim != 2:
+            raise ValueError(f"forward_cached takes (B, T) input_ids, got shape "
+                             f"{tuple(input_ids.shape)}; add a batch axis with ids[None]")
+        if tuple(jnp.shape(attention_mask)) != tuple(input_ids.shape):
+            raise ValueError(f"attention_mask must have the shape of input_ids "
+                             f"{tuple(input_ids.shape)}, got {tuple(jnp.shape(attention_mask))}")
+        cfg = self.config
+        b, t = input_ids.shape
+        size = cache.k.shape[2]
+        want = (cfg.num_layers, b, size, cfg.num_kv_heads, cfg.dim_per_head)
+        if tuple(cache.k.shape) != want or tuple(cache.v.shape) != want:
+            raise ValueError(f"cache keys/values must have shape (layers, batch, slots, kv_heads, "
+                             f"head_dim) = {want}, got {tuple(cache.k.shape)}; build the cache "
+                             f"with init_cache(model, batch={b}, ...)")
+        if t > size:
+            raise ValueError(f"{t} new tokens do not fit a cache of {size} slots; build a larger "
+                             f"cache with init_cache")
+        if lora is not None:
+            lora.check_targets(self.lora_targets(), "LlamaLM")
+        real = jnp.asarray(attention_mask) != 0
+        counts = jnp.cumsum(real.astype(jnp.int32), axis=1)
+        positions = jnp.maximum(cache.next_position[:, None] + counts - 1, 0)
+        start = jnp.asarray(cache.length, jnp.int32)
+        zero = jnp.zeros((), jnp.int32)
+        valid = jax.lax.dynamic_update_slice(cache.valid, real, (zero, start))
+        query_slot = start + jnp.arange(t, dtype=jnp.int32)
+        mask = valid[:, None, :] & (jnp.arange(size, dtype=jnp.int32)[None, :]
+                                    <= query_slot[:, None])[None]
+        keys, values = cache.k, cache.v
+        h = self.embed_tokens(input_ids)
+        for i, layer in enumerate(self.layers):
+            layer_lora = None if lora is None else lora.under(f"layers/{i}")
+            attn_lora = None if layer_lora is None else layer_lora.under("attn")
+            x = layer.attn_norm(h)
+            k, v = layer.attn.keys_values(x, positions, attn_lora)
+            at = (jnp.asarray(i, jnp.int32), zero, start, zero, zero)
+            keys = jax.lax.dynamic_update_slice(keys, k[None].astype(keys.dtype), at)
+            values = jax.lax.dynamic_update_slice(values, v[None].astype(values.dtype), at)
+            q = layer.attn.queries(x, positions, attn_lora)
+            h = h + layer.attn.output(_attend(q, keys[i], values[i], mask), attn_lora)
+            h = layer.feed_forward(h, lora=layer_lora)
+        new_cache = cache._replace(k=keys, v=values, valid=valid, length=start + t,
+                                   next_position=cache.next_position + counts[:, -1])
+        return self.logits(h), new_cache
