@@ -46,6 +46,7 @@ LAYER_OF: Mapping[str, str] = {
     "pavejax.audit": "methods",
     "pavejax.checkpointing": "methods",
     "pavejax.interop": "methods",
+    "pavejax.lm": "methods",
     "pavejax.merging": "methods",
     "pavejax.paczero": "methods",
     "pavejax.pave": "methods",

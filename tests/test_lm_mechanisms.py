@@ -1,0 +1,297 @@
+"""Every mechanism on a causal LM: per-example DP gradients (clipped sum, private gradient,
+DP-SAM) against per-example loops of jax.grad with padding; MeZO, DP-ZO, PACZero-ZPL and -MI
+steps on the prompted candidate loss and on -F1 of greedy generations (ZPL never reads the
+secret); LM specs in a dock that identifies the matching LM learnware."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from pavejax import paczero
+from pavejax.lm import (
+    AnswerTable,
+    LMSpecBackbone,
+    candidate_examples,
+    candidate_loss,
+    candidate_loss_fn,
+    candidate_predict,
+    candidate_scores,
+    generation_f1_loss_fn,
+    lora_predicate,
+    score_candidates,
+    split_full,
+    split_lora,
+    token_loss_fn,
+)
+from pavejax.lora import LoraConfig
+from pavejax.merging.train import MergeTrainConfig, SamBatch, init_state, make_step
+from pavejax.models.llama import LlamaConfig, LlamaLM
+from pavejax.optim import promotion_safe
+from pavejax.pave.dock import Dock
+from pavejax.pave.spec import SpecConfig
+from pavejax.privacy import ClipConfig, DPConfig, SamplingConfig, clipped_sum, private_gradient
+
+CFG = LlamaConfig.tiny(num_layers=1)
+T = 8
+GREAT, TERRIBLE = 6, 5  # candidate token ids (label 1, label 0)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return LlamaLM(CFG, rngs=nnx.Rngs(0))
+
+
+def prompts(seed, n, length=5):
+    """Random prompts over ids 10..96, each holding marker 7 and/or 8 at random."""
+    rng = np.random.default_rng(seed)
+    out = rng.integers(10, CFG.vocab_size, (n, length))
+    has7, has8 = rng.random(n) < 0.5, rng.random(n) < 0.5
+    out[has7, rng.integers(0, length, n)[has7]] = 7
+    pos8 = (rng.integers(0, length, n) + 1) % length
+    out[has8, pos8[has8]] = 8
+    return out.astype(np.int32), has7, has8
+
+
+def candidate_pool(p):
+    """(N, 2, T) right-padded prompt + candidate rows, option mask on the candidate."""
+    n, length = p.shape
+    ids = np.zeros((n, 2, T), np.int32)
+    mask, option = np.zeros_like(ids), np.zeros_like(ids)
+    for c, tok in enumerate((TERRIBLE, GREAT)):
+        ids[:, c, :length], ids[:, c, length] = p, tok
+        mask[:, c, :length + 1], option[:, c, length] = 1, 1
+    return {"input_ids": ids, "attention_mask": mask, "option_mask": option}
+
+
+def per_example_grads(loss_fn, trainable, frozen, data):
+    g = jax.jit(jax.grad(loss_fn))
+    n = jax.tree.leaves(data)[0].shape[0]
+    return [g(trainable, frozen, jax.tree.map(lambda x, i=i: x[i], data)) for i in range(n)]
+
+
+def flat(tree):
+    return np.concatenate([np.ravel(np.asarray(x, np.float64)) for x in jax.tree.leaves(tree)])
+
+
+# --- per-example DP gradients -------------------------------------------------------------------
+
+
+def test_clipped_sum_of_the_token_loss_equals_a_per_example_loop(model, getkey):
+    split, B, frozen = split_lora(model, getkey(), LoraConfig(2), targets=("q", "v", "down"))
+    B = {p: 0.1 * jax.random.normal(getkey(), b.shape) for p, b in B.items()}
+    rng = np.random.default_rng(0)
+    ids = rng.integers(3, CFG.vocab_size, (6, T)).astype(np.int32)
+    mask = np.ones_like(ids)
+    mask[1, :3] = 0   # left padded
+    mask[2, 5:] = 0   # right padded
+    loss_mask = np.zeros_like(ids)
+    loss_mask[:, 4:] = 1  # only the last tokens count (an "answer")
+    data = {"input_ids": ids, "attention_mask": mask, "loss_mask": loss_mask}
+    rows = np.array([True, True, True, False, True, False])  # two padded batch rows
+    loss_fn = token_loss_fn(split)
+    grads = per_example_grads(loss_fn, B, frozen, data)
+    norms = np.array([np.linalg.norm(flat(g)) for g in grads])
+    clip = float(np.median(norms[rows]))  # clipping binds for about half the rows
+    expected = sum(flat(g) * min(1.0, clip / nrm)
+                   for g, nrm, r in zip(grads, norms, rows, strict=True) if r)
+    res = jax.jit(lambda b, f, d, m: clipped_sum(loss_fn, b, f, d, m, ClipConfig(clip)))(
+        B, frozen, data, rows)
+    np.testing.assert_allclose(flat(res.grad_sum), expected, rtol=1e-4, atol=1e-7)
+    np.testing.assert_allclose(res.norms, np.where(rows, norms, 0.0), rtol=1e-4)
+    assert int(res.num_clipped) == int(np.sum(rows & (norms > clip)))
+
+
+def test_private_gradient_and_dp_sam_on_the_candidate_loss_equal_loops(model):
+    split, tr, frozen = split_full(model, lora_predicate(("o", "down")))
+    p, has7, _ = prompts(0, 6)
+    data = candidate_examples(candidate_pool(p), has7.astype(np.int32))
+    loss_fn = candidate_loss_fn(split)
+    grads = [flat(g) for g in per_example_grads(loss_fn, tr, frozen, data)]
+    n = len(grads)
+    # noise 0, every example, a clip too large to bind: the plain mean gradient
+    cfg = DPConfig(1e6, 0.0, SamplingConfig("full", n))
+    grad, info = jax.jit(lambda t, f, d, k: private_gradient(loss_fn, t, f, d, k, cfg))(
+        tr, frozen, data, jax.random.key(0))
+    np.testing.assert_allclose(flat(grad), np.mean(grads, axis=0), rtol=1e-4, atol=1e-8)
+    assert int(info.num_nonfinite) == 0
+    # DP-SAM ("same" batch, noise 0, q = 1, SGD, no anchor): w - lr * g(w + e) with
+    # e = rho * a / |a|, a the mean clipped gradient at w
+    clip, rho, lr = 0.5, 0.05, 0.1
+    mcfg = MergeTrainConfig(dataset_size=n, steps=1, mode="same", noise_multiplier=0.0,
+                            l2_clip=clip, batch_size=n, learning_rate=lr, rho=rho, anchor=0.0,
+                            optimizer="sgd")
+    step = jax.jit(make_step(loss_fn, mcfg))
+    state, charge, stats = step(init_state(tr, mcfg), SamBatch(data, frozen, tr),
+                                jax.random.key(1))
+    assert not bool(stats.overflow) and int(stats.num_nonfinite) == 0
+
+    def clipped_mean(gs):
+        return np.mean([g * min(1.0, clip / np.linalg.norm(g)) for g in gs], axis=0)
+
+    a = clipped_mean(grads)
+    w0 = flat(tr)
+    e = rho * a / np.linalg.norm(a)
+    leaves, treedef = jax.tree.flatten(tr)
+    sizes = np.cumsum([0] + [x.size for x in leaves])
+    shifted = jax.tree.unflatten(treedef, [
+        jnp.asarray((w0 + e)[sizes[i]:sizes[i + 1]].reshape(x.shape), jnp.float32)
+        for i, x in enumerate(leaves)])
+    g_at = clipped_mean([flat(g) for g in per_example_grads(loss_fn, shifted, frozen, data)])
+    np.testing.assert_allclose(flat(state.params), w0 - lr * g_at, rtol=1e-5, atol=1e-6)
+
+
+# --- zeroth order: MeZO, DP-ZO, PACZero -------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def zo_problem(model):
+    split, B, frozen = split_lora(model, jax.random.key(5), LoraConfig(2), targets=("q", "v"))
+    p, has7, _ = prompts(1, 16)
+    pool = candidate_examples(candidate_pool(p), has7.astype(np.int32))
+    return split, B, frozen, pool
+
+
+_STEPS = {}
+
+
+def zo_step(cfg, split, noise=None):
+    """One jitted step per (config, split): runs of one config share their compilation."""
+    if (cfg, split, noise) not in _STEPS:
+        loss_fn = candidate_loss_fn(split)
+        _STEPS[cfg, split, noise] = jax.jit(lambda s, pool, frozen: paczero.step(
+            cfg, loss_fn, s, pool, paczero.step_key(s), frozen=frozen,
+            noise_multiplier=noise)[::2])
+    return _STEPS[cfg, split, noise]
+
+
+def zo_run(cfg, problem, secret_key, steps, *, secret=None, noise=None):
+    split, B, frozen, pool = problem
+    state = paczero.init(cfg, B, 16, key=secret_key, public_key=jax.random.key(100))
+    if secret is not None:
+        state = state._replace(secret=jnp.asarray(secret, jnp.int32))
+    step = zo_step(cfg, split, noise)
+    for _ in range(steps):
+        state, stats = step(state, pool, frozen)
+    return state, stats
+
+
+def moved(state, problem):
+    return max(float(jnp.abs(b).max()) for b in state.trainable.values()) > 0
+
+
+def test_zpl_moves_lora_and_never_reads_the_secret(zo_problem):
+    cfg = paczero.ZOConfig("zpl", steps=3, learning_rate=0.5, num_subsets=4, l2_clip=5.0)
+    a, _ = zo_run(cfg, zo_problem, jax.random.key(1), 3, secret=0)
+    b, _ = zo_run(cfg, zo_problem, jax.random.key(1), 3, secret=3)
+    assert moved(a, zo_problem) and int(a.releases) == 3
+    for p in a.trainable:
+        np.testing.assert_array_equal(a.trainable[p], b.trainable[p])
+    c, _ = zo_run(cfg, zo_problem, jax.random.key(2), 3)  # other coins, another trajectory
+    assert int(a.unanimous) == 3 or any(
+        not np.array_equal(a.trainable[p], c.trainable[p]) for p in a.trainable)
+
+
+def test_mezo_and_dpzo_steps_move_lora(zo_problem):
+    mezo = paczero.ZOConfig("mezo", steps=2, learning_rate=0.5, l2_clip=5.0)
+    s, stats = zo_run(mezo, zo_problem, jax.random.key(1), 2)
+    assert moved(s, zo_problem) and np.isfinite(np.asarray(stats["release"])).all()
+    dpzo = paczero.ZOConfig("dpzo", steps=2, learning_rate=0.5, l2_clip=5.0, target_epsilon=6.0,
+                            dp_batch_size=8)
+    sigma = paczero.dpzo_noise_multiplier(dpzo, 16)
+    s, stats = zo_run(dpzo, zo_problem, jax.random.key(1), 2, noise=sigma)
+    assert moved(s, zo_problem) and not bool(stats["overflow"])
+
+
+def test_mi_two_phases_move_lora_within_budget(zo_problem):
+    split, B, frozen, pool = zo_problem
+    cfg = paczero.ZOConfig("mi", steps=2, learning_rate=0.5, num_subsets=4, l2_clip=5.0,
+                           mi_budget=0.33)
+    state = paczero.init(cfg, B, 16, key=jax.random.key(1), public_key=jax.random.key(100))
+    host = paczero.mi_init_host(cfg.num_subsets)
+    loss_fn = candidate_loss_fn(split)
+    phase = jax.jit(lambda s: paczero.mi_device_phase(cfg, loss_fn, s, pool,
+                                                      paczero.step_key(s), frozen=frozen))
+    used = 0.0
+    for _ in range(2):
+        host, release, nats = paczero.mi_host_release(cfg, host, phase(state))
+        state = paczero.mi_apply(cfg, state, release)
+        used += nats
+    assert moved(state, zo_problem) and 0.0 <= used <= 0.33 + 1e-12
+
+
+def test_zpl_step_on_minus_f1_of_greedy_generations(model):
+    split, B, frozen = split_lora(model, jax.random.key(6), LoraConfig(2), targets=("down",))
+    rng = np.random.default_rng(3)
+    ids = rng.integers(4, CFG.vocab_size, (8, 6)).astype(np.int32)
+    mask = np.ones_like(ids)
+    mask[::2, :2] = 0  # left padding
+    table = AnswerTable([[f"w{i + 10}"] for i in range(8)],
+                        lambda toks: " ".join(f"w{t}" for t in toks))
+    loss_fn = generation_f1_loss_fn(split, table, max_new_tokens=3, pad_id=0, stop_tokens=(3,))
+    pool = {"input_ids": ids, "attention_mask": mask, "example_id": np.arange(8, dtype=np.int32)}
+    cfg = paczero.ZOConfig("zpl", steps=2, learning_rate=0.1, num_subsets=4,
+                           perturbation_scale=0.5, microbatch_size=4)
+    state = paczero.init(cfg, B, 8, key=jax.random.key(1), public_key=jax.random.key(2))
+    step = jax.jit(lambda s: paczero.step(cfg, loss_fn, s, pool, paczero.step_key(s),
+                                          frozen=frozen)[::2])
+    state, stats = step(state)
+    assert int(state.step) == 1 and np.isfinite(np.asarray(stats["release"])).all()
+    losses = jax.jit(lambda b: paczero.per_example_losses(loss_fn, b, frozen, pool, 4))(
+        state.trainable)
+    assert np.all((np.asarray(losses) >= -1) & (np.asarray(losses) <= 0))
+
+
+# --- PAVE specs of an LM and a dock of LM learnwares --------------------------------------------
+
+
+def train_developer(model, pool, steps=40):
+    """A developer's LM: every weight fine-tuned with Adam on its task's candidate loss."""
+    split, tr, frozen = split_full(model, lambda p, _: True)
+    opt = promotion_safe(optax.adam(3e-2))
+
+    def mean_loss(t, d):
+        m, _ = split.model(t, frozen)
+        return jnp.mean(candidate_loss(candidate_scores(m, d), d["label"]))
+
+    @jax.jit
+    def update(t, s, d):
+        g = jax.grad(mean_loss)(t, d)
+        u, s = opt.update(g, s, t)
+        return optax.apply_updates(t, u), s
+
+    state = opt.init(tr)
+    for _ in range(steps):
+        tr, state = update(tr, state, pool)
+    return split.merged(tr, frozen)
+
+
+def test_dock_identifies_the_lm_learnware_of_the_users_task(model, tmp_path):
+    p, has7, has8 = prompts(10, 32)
+    batch = candidate_pool(p)
+    devs = {}
+    for name, labels in (("marker7", has7), ("marker8", has8)):
+        dev = train_developer(model, candidate_examples(batch, labels.astype(np.int32)))
+        scores = score_candidates(dev, batch)
+        acc = float(np.mean(np.asarray(candidate_predict(scores)) == labels))
+        assert acc > 0.9, (name, acc)  # the developer's LM does solve its task
+        devs[name] = scores
+    bb = LMSpecBackbone(model, "tiny-llama", targets=("q", "v"))
+    cfg = SpecConfig.preset("quick", rank=2, steps=30, batch_size=16, learning_rate=1e-2,
+                            progress=False)
+    with Dock.create(tmp_path / "dock") as dock:
+        key = dock.a_key()
+        for name, scores in devs.items():
+            spec = bb.model_spec(batch, scores, key, cfg).spec
+            assert spec.signature.backbone_id == "tiny-llama" and spec.kind == "model"
+            dock.submit(spec, name=name)
+        for seed, marker, want in ((20, 7, "marker7"), (21, 8, "marker8")):
+            up, u7, u8 = prompts(seed, 16)
+            labels = (u7 if marker == 7 else u8).astype(np.int32)
+            user = bb.user_spec(candidate_pool(up), labels, key, cfg).spec
+            found = dock.search(user, k=2)
+            assert found.names[0] == want, (want, found.names, found.cosines)
