@@ -37,14 +37,13 @@ from pavejax.models.llama import (
 from pavejax.models.llama_loading import (
     SMOLLM2_FILE,
     gguf_llama_names,
-    gguf_metadata,
     hf_llama_names,
     load_gguf,
     load_hf_llama,
     load_smollm2,
     save_hf_llama,
 )
-from pavejax.models.llama_tokenizer import LlamaTokenizer
+from pavejax.models.llama_tokenizer import LlamaTokenizer, gguf_metadata
 from pavejax.models.loading import (
     BERT_IGNORED_TENSORS,
     TorchTarget,

@@ -35,13 +35,12 @@ import numpy as np
 from flax import nnx
 
 from pavejax.models.llama import LlamaConfig, LlamaLM
-from pavejax.models.llama_tokenizer import LlamaTokenizer
+from pavejax.models.llama_tokenizer import LlamaTokenizer, _open_gguf, gguf_metadata
 from pavejax.models.loading import TorchTarget, _flatten, load_state_from_torch_names
 
 __all__ = [
     "SMOLLM2_FILE",
     "gguf_llama_names",
-    "gguf_metadata",
     "hf_llama_names",
     "load_gguf",
     "load_hf_llama",
@@ -101,23 +100,10 @@ def _load(config: LlamaConfig, tensors: Mapping[str, np.ndarray],
 # --- GGUF --------------------------------------------------------------------------------------
 
 
-def _reader(path: str | os.PathLike[str]):
-    import gguf  # the ``text`` extra
-
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"GGUF file not found: {os.fspath(path)}")
-    try:
-        return gguf.GGUFReader(path)
-    except ValueError as err:
-        raise ValueError(f"{os.fspath(path)} is not a readable GGUF file: {err}") from None
-
-
-def gguf_metadata(source: Any) -> dict[str, Any]:
-    """All metadata of a GGUF file (a path or an open ``gguf.GGUFReader``) as plain Python values:
-    key -> int, float, bool, str or list (e.g. ``"llama.block_count"``, the token list)."""
-    reader = source if hasattr(source, "fields") else _reader(source)
-    return {key: field.contents() for key, field in reader.fields.items()
-            if not key.startswith("GGUF.")}
+def _float32_value(value: Any) -> float:
+    """A float32 metadata value as the shortest decimal that rounds to it (1e-5, not
+    9.9999997e-06), which is the value the file's writer meant."""
+    return float(str(np.float32(value)))
 
 
 def _config_from_gguf(meta: Mapping[str, Any], *, tied: bool) -> LlamaConfig:
@@ -147,8 +133,8 @@ def _config_from_gguf(meta: Mapping[str, Any], *, tied: bool) -> LlamaConfig:
         intermediate_size=int(get("feed_forward_length")), num_layers=int(get("block_count")),
         num_heads=heads, num_kv_heads=int(get("attention.head_count_kv", heads)),
         head_dim=meta.get("llama.attention.key_length"),
-        rope_theta=float(get("rope.freq_base", 10000.0)),
-        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_theta=_float32_value(get("rope.freq_base", 10000.0)),
+        rms_norm_eps=_float32_value(get("attention.layer_norm_rms_epsilon", 1e-5)),
         tie_embeddings=tied, max_position=int(get("context_length")))
     rotary = meta.get("llama.rope.dimension_count", config.dim_per_head)
     if rotary != config.dim_per_head:
@@ -193,7 +179,7 @@ def load_gguf(path: str | os.PathLike[str], *,
       ValueError: another architecture, missing metadata, a tensor type ``gguf`` cannot
         dequantise, or (listing every one) missing, unexpected or mis-shaped tensors.
     """
-    reader = _reader(path)
+    reader = _open_gguf(path)
     meta = gguf_metadata(reader)
     by_name = {t.name: t for t in reader.tensors}
     config = _config_from_gguf(meta, tied="output.weight" not in by_name)
@@ -254,11 +240,12 @@ def _config_from_hf(cfg: Mapping[str, Any]) -> LlamaConfig:
 
 
 def _config_to_hf(config: LlamaConfig, dtype: Any) -> dict[str, Any]:
-    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
+    explicit = {} if config.head_dim is None else {"head_dim": config.head_dim}
+    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **explicit,
             "vocab_size": config.vocab_size, "hidden_size": config.hidden_size,
             "intermediate_size": config.intermediate_size,
             "num_hidden_layers": config.num_layers, "num_attention_heads": config.num_heads,
-            "num_key_value_heads": config.num_kv_heads, "head_dim": config.dim_per_head,
+            "num_key_value_heads": config.num_kv_heads,
             "rope_theta": config.rope_theta, "rms_norm_eps": config.rms_norm_eps,
             "tie_word_embeddings": config.tie_embeddings,
             "max_position_embeddings": config.max_position, "hidden_act": "silu",

@@ -4,6 +4,7 @@ The vocabulary and merges stored in a GGUF file (``tokenizer.ggml.tokens`` / ``m
 ``tokenizers`` BPE model; the pre-tokenizer is chosen by ``tokenizer.ggml.pre``. Control tokens
 (token type 3, e.g. ``<|im_start|>``) are registered as special tokens so chat markers stay whole
 and ``decode`` can skip them; user-defined tokens (type 4) stay whole but are decoded.
+:func:`gguf_metadata` reads a GGUF file's metadata (the loaders use it too).
 
 Conventions for scoring prompts: nothing is added to a text unless asked (SmolLM2 adds no BOS),
 and a word keeps its leading space, so a prompt ``"... It was"`` is followed by the candidates
@@ -22,7 +23,7 @@ import numpy as np
 import tokenizers
 from tokenizers import AddedToken, decoders, models, pre_tokenizers
 
-__all__ = ["LlamaTokenizer"]
+__all__ = ["LlamaTokenizer", "gguf_metadata"]
 
 # GGUF token types (llama.cpp ``llama_token_type``).
 _CONTROL, _USER_DEFINED = 3, 4
@@ -49,6 +50,25 @@ def _token_id(tok: tokenizers.Tokenizer, token: Any, what: str) -> int | None:
     if found is None:
         raise ValueError(f"{what} token {token!r} is not in the vocabulary")
     return found
+
+
+def _open_gguf(path: str | os.PathLike[str]):
+    import gguf  # the ``text`` extra
+
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"GGUF file not found: {os.fspath(path)}")
+    try:
+        return gguf.GGUFReader(path)
+    except ValueError as err:
+        raise ValueError(f"{os.fspath(path)} is not a readable GGUF file: {err}") from None
+
+
+def gguf_metadata(source: Any) -> dict[str, Any]:
+    """All metadata of a GGUF file (a path or an open ``gguf.GGUFReader``) as plain Python values:
+    key -> int, float, bool, str or list (e.g. ``"llama.block_count"``, the token list)."""
+    reader = source if hasattr(source, "fields") else _open_gguf(source)
+    return {key: field.contents() for key, field in reader.fields.items()
+            if not key.startswith("GGUF.")}
 
 
 class LlamaTokenizer:
@@ -85,8 +105,6 @@ class LlamaTokenizer:
     @classmethod
     def from_gguf(cls, path: str | os.PathLike[str]) -> LlamaTokenizer:
         """The tokenizer stored in a GGUF file's metadata (reads the metadata only)."""
-        from pavejax.models.llama_loading import gguf_metadata
-
         return cls.from_gguf_metadata(gguf_metadata(path))
 
     @classmethod
@@ -119,8 +137,12 @@ class LlamaTokenizer:
         if len(types) != len(tokens):
             raise ValueError(f"tokenizer.ggml.token_type has {len(types)} entries for "
                              f"{len(tokens)} tokens")
-        bpe = models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges,
-                         fuse_unk=False, byte_fallback=False)
+        try:
+            bpe = models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges,
+                             fuse_unk=False, byte_fallback=False)
+        except Exception as err:  # tokenizers raises a bare Exception
+            raise ValueError(f"tokenizer.ggml.merges do not fit tokenizer.ggml.tokens: {err}") \
+                from None
         tok = tokenizers.Tokenizer(bpe)
         tok.pre_tokenizer = _pre_tokenizer(
             _PRE_TOKENIZERS[pre], bool(metadata.get("tokenizer.ggml.add_space_prefix", False)))
