@@ -6,12 +6,14 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from pavejax.lora import LoraAdapters, LoraConfig, init_lora
 from pavejax.models import KVCache, LlamaConfig, LlamaLM, generate, init_cache
 
 CFG = LlamaConfig.tiny()
 LENGTHS = (7, 3, 5, 1)  # real prompt lengths; the prompts are left-padded to T
 T, N, PAD = 7, 6, 0
 STATIC = ("max_new_tokens", "stop_tokens", "pad_id", "temperature", "top_k")
+_forward = jax.jit(lambda m, ids, mask, lora=None: m(ids, mask, lora=lora))
 
 
 @pytest.fixture(scope="module")
@@ -38,53 +40,60 @@ def _prompts(right=False):
 
 @pytest.fixture(scope="module")
 def reference(model):
-    """Greedy continuation by re-running the full forward on the growing sequence: ``N`` calls of
-    one compiled forward on a (B, T + N) buffer whose not-yet-generated slots are masked out.
-    Returns the tokens (B, N) and the logits that chose them (B, N, vocab)."""
+    """Greedy continuation (B, N) by re-running the full forward on the growing sequence: ``N``
+    calls of one compiled forward on a (B, T + N) buffer whose not-yet-generated slots are
+    masked out."""
     ids, mask = (np.array(a) for a in _prompts())
-    full = jax.jit(lambda m, i, k: m(i, k))
     buf = np.concatenate([ids, np.full((len(LENGTHS), N), PAD, np.int32)], axis=1)
     seen = np.concatenate([mask, np.zeros((len(LENGTHS), N), np.int32)], axis=1)
-    tokens, logits = [], []
     for i in range(N):
-        out = np.asarray(full(model, jnp.asarray(buf), jnp.asarray(seen)))[:, T - 1 + i]
-        tok = out.argmax(axis=-1).astype(np.int32)
-        buf[:, T + i], seen[:, T + i] = tok, 1
-        tokens.append(tok)
-        logits.append(out)
-    return np.stack(tokens, axis=1), np.stack(logits, axis=1)
+        logits = _forward(model, buf, seen)
+        buf[:, T + i] = np.asarray(logits[:, T - 1 + i]).argmax(axis=-1)
+        seen[:, T + i] = 1
+    return buf[:, T:]
 
 
 def test_cached_decoding_equals_full_recomputation_token_by_token(model, reference):
-    """Feed the prompt slot by slot (padding included) and then the reference tokens one at a
-    time through one jitted, cache-donating step: the logits at every generated position equal
-    the full forward's, the step compiles once and the cache keeps its shapes."""
-    tokens, logits = reference
-    ids, mask = _prompts()
+    """With factored LoRA on every layer: feed the prompts slot by slot (padding included), then
+    the reference tokens one at a time, through one jitted, cache-donating step. The logits at
+    every position that chooses a token equal the full forward's on the whole sequence (causal,
+    so one call gives them all); the step compiles once and the cache keeps its shapes."""
+    ids, mask = (np.asarray(a) for a in _prompts())
+    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    config = LoraConfig(rank=2)
+    b, a = init_lora(jax.random.key(4), params,
+                     lambda path, _: path.endswith(("q/kernel", "v/kernel", "down/kernel")),
+                     config)
+    rng = np.random.default_rng(5)
+    lora = LoraAdapters({p: jnp.asarray(0.3 * rng.standard_normal(v.shape), jnp.float32)
+                         for p, v in b.items()}, a, config)
+    seq = np.concatenate([ids, reference], axis=1)
+    seq_mask = np.concatenate([mask, np.ones((len(LENGTHS), N), np.int32)], axis=1)
+    want = np.asarray(_forward(model, seq, seq_mask, lora))
+    assert np.max(np.abs(want - _forward(model, seq, seq_mask))) > 0.1  # the adapters matter
     traces = []
 
-    def step(m, ids, mask, cache):
+    def step(m, ids, mask, cache, lora):
         traces.append(1)
-        return m.forward_cached(ids, mask, cache)
+        return m.forward_cached(ids, mask, cache, lora=lora)
 
     step = jax.jit(step, donate_argnames="cache")
     cache = init_cache(model, len(LENGTHS), T + N - 1)
     shapes = jax.tree_util.tree_map(lambda x: (x.shape, x.dtype), cache)
     got = []
-    feed = [(ids[:, t], mask[:, t]) for t in range(T)]
-    feed += [(jnp.asarray(tokens[:, i]), jnp.ones(len(LENGTHS), jnp.int32)) for i in range(N - 1)]
-    for t, (tok, real) in enumerate(feed):
+    for t in range(T + N - 1):
         old = cache
-        out, cache = step(model, tok[:, None], real[:, None], cache)
+        out, cache = step(model, seq[:, t:t + 1], seq_mask[:, t:t + 1], cache, lora)
         assert old.k.is_deleted()  # donated: updated in place
-        if t >= T - 1:
-            got.append(np.asarray(out[:, 0]))
+        got.append(np.asarray(out[:, 0]))
     assert len(traces) == 1
     assert jax.tree_util.tree_map(lambda x: (x.shape, x.dtype), cache) == shapes
     assert int(cache.length) == T + N - 1
     np.testing.assert_array_equal(cache.next_position, np.array(LENGTHS) + N - 1)
     np.testing.assert_array_equal(cache.valid.sum(axis=1), np.array(LENGTHS) + N - 1)
-    np.testing.assert_allclose(np.stack(got, axis=1), logits, rtol=1e-5, atol=1e-5)
+    real = seq_mask[:, :-1] == 1  # padded slots' logits are meaningless
+    np.testing.assert_allclose(np.stack(got, axis=1)[real], want[:, :-1][real],
+                               rtol=1e-5, atol=1e-5)
 
 
 def _stop_token(tokens):
@@ -113,8 +122,7 @@ def _expected(tokens, stop):
 def runs(model, reference):
     """One compiled greedy generation (stop token chosen from the reference) on left- and
     right-padded prompts, and the sampled runs, each jitted as a whole."""
-    tokens, _ = reference
-    stop = _stop_token(tokens)
+    stop = _stop_token(reference)
     traces = []
 
     def traced(*args, **kwargs):
@@ -135,7 +143,7 @@ def runs(model, reference):
 
 
 def test_greedy_generation_equals_recomputation_and_stops(reference, runs):
-    want, lengths, finished = _expected(reference[0], runs["stop"])
+    want, lengths, finished = _expected(reference, runs["stop"])
     assert finished.any() and not finished.all() and lengths.min() < N
     got = runs["left"]
     assert got.tokens.dtype == np.int32 and got.tokens.shape == (len(LENGTHS), N)
