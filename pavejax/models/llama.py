@@ -25,6 +25,10 @@ scoring uses) both give every sequence the positions it would have alone; padded
 
 Precision. Weights may be bfloat16: matmuls run in the weights' dtype, while RMSNorm statistics,
 attention softmax and the logits are float32.
+
+Decoding. :meth:`LlamaLM.forward_cached` runs new tokens against a static-shape key/value cache
+(:class:`pavejax.models.KVCache`); :func:`pavejax.models.generate` builds greedy and sampled
+generation on it.
 """
 
 from __future__ import annotations
