@@ -114,6 +114,7 @@ def _logits(model):
 
 @pytest.mark.parametrize("tied", [True, False])
 def test_gguf_round_trip_gives_the_original_logits(tmp_path, tied):
+    """Fails if the (out, in) matrices were not transposed or q/k rows not un-permuted."""
     original = _random_model(LlamaConfig.tiny(**{**CFG.to_dict(), "tie_embeddings": tied}))
     model, tok = load_gguf(_write_gguf(tmp_path / "m.gguf", original))
     assert model.config == original.config
