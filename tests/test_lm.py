@@ -22,6 +22,7 @@ from pavejax.lm import (
     candidate_loss_fn,
     candidate_predict,
     candidate_scores,
+    generation_f1_loss_fn,
     generation_f1_losses,
     lora_predicate,
     score_candidates,
@@ -33,7 +34,7 @@ from pavejax.lm import (
 )
 from pavejax.models.llama import LlamaConfig, LlamaLM
 
-CFG = LlamaConfig.tiny()
+CFG = LlamaConfig.tiny(num_layers=1)  # one block: compilation dominates these tests
 
 
 @pytest.fixture(scope="module")
@@ -121,7 +122,8 @@ def test_candidate_scores_equal_a_per_candidate_computation(model):
     prompts = [list(rng.integers(3, CFG.vocab_size, n)) for n in (6, 3, 8)]
     cands = [[7], [11, 12]]  # one- and two-token candidates, right padded
     batch = candidate_batch(rng, prompts, cands, 11)
-    scores = np.asarray(jax.jit(lambda b: candidate_scores(model, b))(batch))
+    # chunked host scoring, its last chunk padded: candidate_scores of every row
+    scores = score_candidates(model, batch, batch_size=2)
     ref = np.zeros((3, 2))
     for i, p in enumerate(prompts):
         for j, cand in enumerate(cands):
@@ -132,9 +134,6 @@ def test_candidate_scores_equal_a_per_candidate_computation(model):
     ce = -log_softmax64(ref)[np.arange(3), labels]
     np.testing.assert_allclose(candidate_loss(scores, labels), ce, rtol=1e-5)
     np.testing.assert_array_equal(candidate_predict(scores), ref.argmax(axis=1))
-    # chunked host scoring (a padded last chunk) gives the same rows
-    np.testing.assert_allclose(score_candidates(model, batch, batch_size=2), scores, rtol=1e-5,
-                               atol=1e-6)
     # the per-example loss of the mechanisms is the same number
     split, tr, fr = split_full(model, lora_predicate(("o",)))
     pool = candidate_examples(batch, labels)
@@ -171,31 +170,33 @@ def test_lora_factored_equals_merged_on_the_token_loss(model, getkey):
 
 
 def test_full_weight_split_rebuilds_the_model_and_trains_only_its_subset(model):
-    pred = lambda p, _: p.startswith("layers/1/")  # noqa: E731
+    pred = lambda p, _: p.startswith("layers/0/mlp/")  # noqa: E731
     split, tr, fr = split_full(model, pred)
-    assert split.kind == "full" and all(p.startswith("layers/1/") for p in tr)
+    assert split.kind == "full" and all(p.startswith("layers/0/mlp/") for p in tr)
     assert not set(tr) & set(fr["params"])
     ids, mask = padded([[5, 9, 2, 44, 17, 3]], 6, "right")
     ex = {"input_ids": jnp.asarray(ids[0]), "attention_mask": jnp.asarray(mask[0])}
-    loss, grads = jax.jit(jax.value_and_grad(token_loss_fn(split)))(tr, fr, ex)
+    value_and_grad = jax.jit(jax.value_and_grad(token_loss_fn(split)))
+    loss, grads = value_and_grad(tr, fr, ex)
     np.testing.assert_allclose(loss, -unpadded_logprobs(model, list(ids[0])).mean(), rtol=1e-5)
     assert set(grads) == set(tr) and all(float(jnp.abs(g).max()) > 0 for g in grads.values())
-    # the gradient of one kernel against nnx's own gradient of the model
-    def whole(m):
-        return token_loss(m, ids, mask)[0]
-
-    ref = nnx.jit(nnx.grad(whole))(model)
-    np.testing.assert_allclose(grads["layers/1/mlp/down/kernel"],
-                               ref.layers[1].mlp.down.kernel[...], rtol=1e-4, atol=1e-7)
+    # the gradient against a central difference of the loss along a random direction
+    d = {p: jax.random.normal(jax.random.key(i), x.shape) for i, (p, x) in enumerate(tr.items())}
+    h = 1e-3
+    up = value_and_grad({p: tr[p] + h * d[p] for p in tr}, fr, ex)[0]
+    down = value_and_grad({p: tr[p] - h * d[p] for p in tr}, fr, ex)[0]
+    slope = sum(float(jnp.sum(grads[p] * d[p])) for p in tr)
+    np.testing.assert_allclose((float(up) - float(down)) / (2 * h), slope, rtol=1e-2)
     with pytest.raises(ValueError, match="selected none"):
         split_full(model, lambda p, _: False)
 
 
 def test_lora_predicate_selects_targets_and_layers_and_refuses_unknown_names(model):
-    params = nnx.to_pure_dict(nnx.split(model)[1])
+    two = LlamaLM(LlamaConfig.tiny(num_layers=2), rngs=nnx.Rngs(0))
+    params = nnx.to_pure_dict(nnx.split(two)[1])
     chosen = lora_lib.select_paths(params, lora_predicate(("v", "down"), layers=[1]))
     assert chosen == ("layers/1/attn/v/kernel", "layers/1/mlp/down/kernel")
-    assert len(lora_lib.select_paths(params, lora_predicate())) == 2 * CFG.num_layers
+    assert len(lora_lib.select_paths(params, lora_predicate())) == 4
     with pytest.raises(ValueError, match="subset of"):
         lora_predicate(("query",))
     with pytest.raises(ValueError, match="block indices"):
@@ -222,8 +223,22 @@ def test_generation_f1_loss_equals_a_host_recomputation(model):
     rng = np.random.default_rng(2)
     rows = [list(rng.integers(4, CFG.vocab_size, n)) for n in (5, 7, 3, 6)]
     ids, mask = padded(rows, 8, "left")
-    gen = generate(model, jnp.asarray(ids), jnp.asarray(mask), max_new_tokens=4,
-                   stop_tokens=(NEWLINE,), pad_id=0)
+    split, B, frozen = split_lora(model, jax.random.key(3))
+    table = AnswerTable([["?"]] * 4, fake_decode)  # answers are filled in below
+    loss_fn = generation_f1_loss_fn(split, table, max_new_tokens=4, pad_id=0,
+                                    stop_tokens=(NEWLINE,))
+
+    @jax.jit
+    def run(i, m, e, pool):  # one compilation: the reference generation and both loss forms
+        gen = generate(model, i, m, max_new_tokens=4, stop_tokens=(NEWLINE,), pad_id=0)
+        batched = generation_f1_losses(model, i, m, e, table, max_new_tokens=4, pad_id=0,
+                                       stop_tokens=(NEWLINE,))
+        return gen, batched, jax.vmap(lambda ex: loss_fn(B, frozen, ex))(pool)
+
+    eids = jnp.arange(4, dtype=jnp.int32)
+    pool = {"input_ids": jnp.asarray(ids), "attention_mask": jnp.asarray(mask),
+            "example_id": eids.at[2].set(-1)}  # a padding row (id -1) scores 0
+    gen = run(ids, mask, eids, pool)[0]
     texts = [answer_text(fake_decode(list(np.asarray(gen.tokens[i, :int(gen.lengths[i])]))))
              for i in range(4)]
     words = [t.split() for t in texts]
@@ -231,25 +246,14 @@ def test_generation_f1_loss_equals_a_host_recomputation(model):
                [" ".join(words[1][:1] + ["zz"]), "nothing"],  # one word shared
                ["unrelated words"],                          # F1 = 0
                [texts[3], "other"]]
-    table = AnswerTable(answers, fake_decode)
-    eids = jnp.arange(4, dtype=jnp.int32)
-    losses = jax.jit(lambda i, m, e: generation_f1_losses(
-        model, i, m, e, table, max_new_tokens=4, pad_id=0, stop_tokens=(NEWLINE,)))(
-        ids, mask, eids)
+    table.answers = tuple(tuple(a) for a in answers)  # the host table is read at run time
+    _, losses, per = run(ids, mask, eids, pool)
     ref = np.array([-squad_f1(t, a) for t, a in zip(texts, answers, strict=True)])
     np.testing.assert_allclose(losses, ref, rtol=1e-6)
     assert np.all((ref >= -1) & (ref <= 0)) and ref[0] == -1.0 and ref[2] == 0.0
-    # per example under vmap (the mechanisms' form) and with a padding row (id -1) scoring 0
-    split, B, frozen = split_lora(model, jax.random.key(3))
-    from pavejax.lm import generation_f1_loss_fn
-
-    loss_fn = generation_f1_loss_fn(split, table, max_new_tokens=4, pad_id=0,
-                                    stop_tokens=(NEWLINE,))
-    pool = {"input_ids": jnp.asarray(ids), "attention_mask": jnp.asarray(mask),
-            "example_id": eids.at[2].set(-1)}
-    per = jax.jit(jax.vmap(lambda ex: loss_fn(B, frozen, ex)))(pool)
+    assert ref[1] not in (0.0, -1.0)
     np.testing.assert_allclose(per, ref * np.array([1, 1, 0, 1]), rtol=1e-6)
+    with pytest.raises(Exception, match="past the answer table"):
+        jax.block_until_ready(run(ids, mask, eids + 10, pool))
     with pytest.raises(ValueError, match="non-empty sequence of strings"):
         AnswerTable([["a"], "b"], fake_decode)
-    with pytest.raises(Exception, match="past the answer table"):
-        generation_f1_losses(model, ids, mask, eids + 10, table, max_new_tokens=4, pad_id=0)

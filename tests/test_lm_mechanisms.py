@@ -5,6 +5,8 @@ secret); LM specs in a dock that identifies the matching LM learnware."""
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -34,7 +36,7 @@ from pavejax.models.llama import LlamaConfig, LlamaLM
 from pavejax.optim import promotion_safe
 from pavejax.pave.dock import Dock
 from pavejax.pave.spec import SpecConfig
-from pavejax.privacy import ClipConfig, DPConfig, SamplingConfig, clipped_sum, private_gradient
+from pavejax.privacy import DPConfig, SamplingConfig, private_gradient
 
 CFG = LlamaConfig.tiny(num_layers=1)
 T = 8
@@ -68,8 +70,13 @@ def candidate_pool(p):
     return {"input_ids": ids, "attention_mask": mask, "option_mask": option}
 
 
+@functools.cache
+def jitted_grad(loss_fn):
+    return jax.jit(jax.grad(loss_fn))
+
+
 def per_example_grads(loss_fn, trainable, frozen, data):
-    g = jax.jit(jax.grad(loss_fn))
+    g = jitted_grad(loss_fn)
     n = jax.tree.leaves(data)[0].shape[0]
     return [g(trainable, frozen, jax.tree.map(lambda x, i=i: x[i], data)) for i in range(n)]
 
@@ -81,7 +88,7 @@ def flat(tree):
 # --- per-example DP gradients -------------------------------------------------------------------
 
 
-def test_clipped_sum_of_the_token_loss_equals_a_per_example_loop(model, getkey):
+def test_private_gradient_of_the_token_loss_equals_a_per_example_loop(model, getkey):
     split, B, frozen = split_lora(model, getkey(), LoraConfig(2), targets=("q", "v", "down"))
     B = {p: 0.1 * jax.random.normal(getkey(), b.shape) for p, b in B.items()}
     rng = np.random.default_rng(0)
@@ -92,35 +99,28 @@ def test_clipped_sum_of_the_token_loss_equals_a_per_example_loop(model, getkey):
     loss_mask = np.zeros_like(ids)
     loss_mask[:, 4:] = 1  # only the last tokens count (an "answer")
     data = {"input_ids": ids, "attention_mask": mask, "loss_mask": loss_mask}
-    rows = np.array([True, True, True, False, True, False])  # two padded batch rows
     loss_fn = token_loss_fn(split)
     grads = per_example_grads(loss_fn, B, frozen, data)
     norms = np.array([np.linalg.norm(flat(g)) for g in grads])
-    clip = float(np.median(norms[rows]))  # clipping binds for about half the rows
-    expected = sum(flat(g) * min(1.0, clip / nrm)
-                   for g, nrm, r in zip(grads, norms, rows, strict=True) if r)
-    res = jax.jit(lambda b, f, d, m: clipped_sum(loss_fn, b, f, d, m, ClipConfig(clip)))(
-        B, frozen, data, rows)
-    np.testing.assert_allclose(flat(res.grad_sum), expected, rtol=1e-4, atol=1e-7)
-    np.testing.assert_allclose(res.norms, np.where(rows, norms, 0.0), rtol=1e-4)
-    assert int(res.num_clipped) == int(np.sum(rows & (norms > clip)))
+    clip = float(np.median(norms))  # clipping binds for about half the examples
+    expected = np.mean([flat(g) * min(1.0, clip / nrm) for g, nrm in zip(grads, norms)], axis=0)
+    # every example, noise 0: the mean of the clipped per-example gradients
+    cfg = DPConfig(clip, 0.0, SamplingConfig("full", 6))
+    grad, info = jax.jit(lambda t, f, d, k: private_gradient(loss_fn, t, f, d, k, cfg))(
+        B, frozen, data, jax.random.key(0))
+    np.testing.assert_allclose(flat(grad), expected, rtol=1e-4, atol=1e-7)
+    np.testing.assert_allclose(info.norms, norms, rtol=1e-4)
+    assert int(info.num_clipped) == int(np.sum(norms > clip)) > 0
 
 
-def test_private_gradient_and_dp_sam_on_the_candidate_loss_equal_loops(model):
+def test_dp_sam_step_on_the_candidate_loss_equals_a_per_example_loop(model):
     split, tr, frozen = split_full(model, lora_predicate(("o", "down")))
     p, has7, _ = prompts(0, 6)
     data = candidate_examples(candidate_pool(p), has7.astype(np.int32))
     loss_fn = candidate_loss_fn(split)
-    grads = [flat(g) for g in per_example_grads(loss_fn, tr, frozen, data)]
-    n = len(grads)
-    # noise 0, every example, a clip too large to bind: the plain mean gradient
-    cfg = DPConfig(1e6, 0.0, SamplingConfig("full", n))
-    grad, info = jax.jit(lambda t, f, d, k: private_gradient(loss_fn, t, f, d, k, cfg))(
-        tr, frozen, data, jax.random.key(0))
-    np.testing.assert_allclose(flat(grad), np.mean(grads, axis=0), rtol=1e-4, atol=1e-8)
-    assert int(info.num_nonfinite) == 0
-    # DP-SAM ("same" batch, noise 0, q = 1, SGD, no anchor): w - lr * g(w + e) with
-    # e = rho * a / |a|, a the mean clipped gradient at w
+    n = 6
+    # "same" batch, noise 0, q = 1, SGD, no anchor: w - lr * g(w + e) with e = rho * a / |a|,
+    # a and g the means of the clipped per-example gradients
     clip, rho, lr = 0.5, 0.05, 0.1
     mcfg = MergeTrainConfig(dataset_size=n, steps=1, mode="same", noise_multiplier=0.0,
                             l2_clip=clip, batch_size=n, learning_rate=lr, rho=rho, anchor=0.0,
@@ -130,10 +130,11 @@ def test_private_gradient_and_dp_sam_on_the_candidate_loss_equal_loops(model):
                                 jax.random.key(1))
     assert not bool(stats.overflow) and int(stats.num_nonfinite) == 0
 
-    def clipped_mean(gs):
+    def clipped_mean(params):
+        gs = [flat(g) for g in per_example_grads(loss_fn, params, frozen, data)]
         return np.mean([g * min(1.0, clip / np.linalg.norm(g)) for g in gs], axis=0)
 
-    a = clipped_mean(grads)
+    a = clipped_mean(tr)
     w0 = flat(tr)
     e = rho * a / np.linalg.norm(a)
     leaves, treedef = jax.tree.flatten(tr)
@@ -141,8 +142,8 @@ def test_private_gradient_and_dp_sam_on_the_candidate_loss_equal_loops(model):
     shifted = jax.tree.unflatten(treedef, [
         jnp.asarray((w0 + e)[sizes[i]:sizes[i + 1]].reshape(x.shape), jnp.float32)
         for i, x in enumerate(leaves)])
-    g_at = clipped_mean([flat(g) for g in per_example_grads(loss_fn, shifted, frozen, data)])
-    np.testing.assert_allclose(flat(state.params), w0 - lr * g_at, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(flat(state.params), w0 - lr * clipped_mean(shifted), rtol=1e-5,
+                               atol=1e-6)
 
 
 # --- zeroth order: MeZO, DP-ZO, PACZero -------------------------------------------------------
@@ -202,8 +203,7 @@ def test_mezo_and_dpzo_steps_move_lora(zo_problem):
     assert moved(s, zo_problem) and np.isfinite(np.asarray(stats["release"])).all()
     dpzo = paczero.ZOConfig("dpzo", steps=2, learning_rate=0.5, l2_clip=5.0, target_epsilon=6.0,
                             dp_batch_size=8)
-    sigma = paczero.dpzo_noise_multiplier(dpzo, 16)
-    s, stats = zo_run(dpzo, zo_problem, jax.random.key(1), 2, noise=sigma)
+    s, stats = zo_run(dpzo, zo_problem, jax.random.key(1), 2, noise=1.0)
     assert moved(s, zo_problem) and not bool(stats["overflow"])
 
 
@@ -241,57 +241,69 @@ def test_zpl_step_on_minus_f1_of_greedy_generations(model):
                                           frozen=frozen)[::2])
     state, stats = step(state)
     assert int(state.step) == 1 and np.isfinite(np.asarray(stats["release"])).all()
-    losses = jax.jit(lambda b: paczero.per_example_losses(loss_fn, b, frozen, pool, 4))(
-        state.trainable)
-    assert np.all((np.asarray(losses) >= -1) & (np.asarray(losses) <= 0))
+    assert max(float(jnp.abs(b).max()) for b in state.trainable.values()) > 0
 
 
 # --- PAVE specs of an LM and a dock of LM learnwares --------------------------------------------
 
 
-def train_developer(model, pool, steps=40):
-    """A developer's LM: every weight fine-tuned with Adam on its task's candidate loss."""
-    split, tr, frozen = split_full(model, lambda p, _: True)
+@functools.cache
+def developer_update(split):
+    """One jitted Adam step of a developer's full-weight fine-tuning (shared by developers)."""
     opt = promotion_safe(optax.adam(3e-2))
 
-    def mean_loss(t, d):
+    def mean_loss(t, frozen, d):
         m, _ = split.model(t, frozen)
         return jnp.mean(candidate_loss(candidate_scores(m, d), d["label"]))
 
     @jax.jit
-    def update(t, s, d):
-        g = jax.grad(mean_loss)(t, d)
-        u, s = opt.update(g, s, t)
+    def update(t, s, frozen, d):
+        u, s = opt.update(jax.grad(mean_loss)(t, frozen, d), s, t)
         return optax.apply_updates(t, u), s
 
+    return opt, update
+
+
+def train_developer(model, pool, steps=20):
+    """A developer's LM: every weight fine-tuned with Adam on its task's candidate loss."""
+    split, tr, frozen = split_full(model, lambda p, _: True)
+    opt, update = developer_update(split)
     state = opt.init(tr)
     for _ in range(steps):
-        tr, state = update(tr, state, pool)
+        tr, state = update(tr, state, frozen, pool)
     return split.merged(tr, frozen)
 
 
+# Two prompted tasks on the prompt's last token (ids 10..17, each equally often, so both tasks
+# are balanced): "A" says great for 10..13, "B" for 10, 11, 14, 15 (they agree on half).
+KEY_TOKENS = np.arange(10, 18)
+POSITIVE = {"A": (10, 11, 12, 13), "B": (10, 11, 14, 15)}
+
+
+def keyed_task(seed, n):
+    rng = np.random.default_rng(seed)
+    p = rng.integers(20, CFG.vocab_size, (n, 5)).astype(np.int32)
+    p[:, -1] = rng.permutation(np.tile(KEY_TOKENS, n // len(KEY_TOKENS)))
+    return candidate_pool(p), {k: np.isin(p[:, -1], v).astype(np.int32)
+                               for k, v in POSITIVE.items()}
+
+
 def test_dock_identifies_the_lm_learnware_of_the_users_task(model, tmp_path):
-    p, has7, has8 = prompts(10, 32)
-    batch = candidate_pool(p)
-    devs = {}
-    for name, labels in (("marker7", has7), ("marker8", has8)):
-        dev = train_developer(model, candidate_examples(batch, labels.astype(np.int32)))
-        scores = score_candidates(dev, batch)
-        acc = float(np.mean(np.asarray(candidate_predict(scores)) == labels))
-        assert acc > 0.9, (name, acc)  # the developer's LM does solve its task
-        devs[name] = scores
-    bb = LMSpecBackbone(model, "tiny-llama", targets=("q", "v"))
-    cfg = SpecConfig.preset("quick", rank=2, steps=30, batch_size=16, learning_rate=1e-2,
+    batch, labels = keyed_task(10, 32)
+    bb = LMSpecBackbone(model, "tiny-llama", targets=("v", "down"))
+    cfg = SpecConfig.preset("quick", rank=8, steps=10, batch_size=16, learning_rate=1e-2,
                             progress=False)
+    key = jax.random.key(0)  # the A key every party uses (fixed: a deterministic test)
     with Dock.create(tmp_path / "dock") as dock:
-        key = dock.a_key()
-        for name, scores in devs.items():
+        for task in POSITIVE:
+            dev = train_developer(model, candidate_examples(batch, labels[task]))
+            scores = score_candidates(dev, batch)  # the developer LM's own predictions
+            assert np.mean(np.asarray(candidate_predict(scores)) == labels[task]) > 0.9
             spec = bb.model_spec(batch, scores, key, cfg).spec
             assert spec.signature.backbone_id == "tiny-llama" and spec.kind == "model"
-            dock.submit(spec, name=name)
-        for seed, marker, want in ((20, 7, "marker7"), (21, 8, "marker8")):
-            up, u7, u8 = prompts(seed, 16)
-            labels = (u7 if marker == 7 else u8).astype(np.int32)
-            user = bb.user_spec(candidate_pool(up), labels, key, cfg).spec
+            dock.submit(spec, name=task)
+        for seed, task in ((20, "A"), (21, "B")):
+            shots, user_labels = keyed_task(seed, 16)
+            user = bb.user_spec(shots, user_labels[task], key, cfg).spec
             found = dock.search(user, k=2)
-            assert found.names[0] == want, (want, found.names, found.cosines)
+            assert found.names[0] == task and found.cosines[0] > 0, (task, found)
