@@ -1,6 +1,6 @@
 """Llama loaders: GGUF files written here with gguf.GGUFWriter (q/k rows permuted the way
 llama.cpp's converter does), the Hugging Face layout against a float64 numpy forward written here,
-the errors, and SmolLM2's perplexity on real text (assets)."""
+and the errors (SmolLM2's real file: test_smollm2.py)."""
 
 import json
 
@@ -14,9 +14,9 @@ from safetensors.numpy import load_file, save_file
 from tokenizers import pre_tokenizers
 
 from pavejax.models import (
-    SMOLLM2_FILE,
     LlamaConfig,
     LlamaLM,
+    LlamaTokenizer,
     load_gguf,
     load_hf_llama,
     save_hf_llama,
@@ -116,11 +116,13 @@ def _logits(model):
 def test_gguf_round_trip_gives_the_original_logits(tmp_path, tied):
     """Fails if the (out, in) matrices were not transposed or q/k rows not un-permuted."""
     original = _random_model(LlamaConfig.tiny(**{**CFG.to_dict(), "tie_embeddings": tied}))
-    model, tok = load_gguf(_write_gguf(tmp_path / "m.gguf", original))
+    path = _write_gguf(tmp_path / "m.gguf", original)
+    model, tok = load_gguf(path)
     assert model.config == original.config
     np.testing.assert_allclose(_logits(model), _logits(original), atol=1e-5, rtol=0)
     assert tok.vocab_size == len(TOKENS) and (tok.eos_id, tok.pad_id, tok.bos_id) == (2, 2, 1)
     assert tok.encode(" the") == [TOKENS.index("Ġthe")]
+    assert LlamaTokenizer.from_gguf(path).encode("<|im_start|> the") == [1, TOKENS.index("Ġthe")]
 
 
 def test_skipping_the_unpermute_would_change_the_logits():
@@ -346,37 +348,3 @@ def test_hf_errors_name_the_problem(tmp_path):
     with pytest.raises(FileNotFoundError, match="neither model.safetensors"):
         load_hf_llama(tmp_path / "empty")
 
-
-# --- the real SmolLM2 weights ----------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def smollm2():
-    from pavejax import assets
-
-    try:
-        folder = assets.require("smollm2")
-    except assets.AssetMissingError as err:
-        pytest.skip(str(err))
-    return load_gguf(folder / SMOLLM2_FILE)
-
-
-@pytest.mark.assets
-def test_smollm2_prefers_real_english_to_the_same_words_shuffled(smollm2):
-    """Perplexity of a real sentence against the same words in a fixed random order. Without the
-    q/k un-permute this sentence measured about 45 (with it about 24)."""
-    model, tok = smollm2
-    assert (model.config.num_layers, model.config.hidden_size, model.config.num_kv_heads) == \
-        (30, 576, 3)
-    sentence = ("The quick brown fox jumps over the lazy dog, and the dog does not seem to mind "
-                "at all.")
-    words = sentence.split()
-    shuffled = " ".join(words[i] for i in np.random.default_rng(0).permutation(len(words)))
-    ids, mask = tok.batch([sentence, shuffled], max_length=32, padding_side="right")
-    assert mask.sum(1).max() < 32
-    logits = _forward(model, jnp.asarray(ids), jnp.asarray(mask))
-    logp = jax.nn.log_softmax(logits[:, :-1], axis=-1)
-    nll = -np.take_along_axis(np.asarray(logp), ids[:, 1:, None], axis=-1)[..., 0]
-    ppl = np.exp((nll * mask[:, 1:]).sum(1) / mask[:, 1:].sum(1))
-    assert ppl[0] < 35, ppl
-    assert ppl[1] > 10 * ppl[0], ppl

@@ -1,5 +1,5 @@
 """LlamaTokenizer: a tiny byte-level vocabulary written here (GGUF metadata and tokenizer.json
-forms), and the SmolLM2 facts on the real file (assets)."""
+forms); the SmolLM2 facts on the real file are in test_smollm2.py."""
 
 import json
 
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from tokenizers import pre_tokenizers
 
-from pavejax.models import SMOLLM2_FILE, LlamaTokenizer
+from pavejax.models import LlamaTokenizer
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 ALPHABET = sorted(pre_tokenizers.ByteLevel.alphabet())
@@ -155,47 +155,3 @@ def test_bad_sources_give_clear_errors(tmp_path):
     with pytest.raises(TypeError, match="sequence of str"):
         LlamaTokenizer.from_gguf_metadata(_metadata()).batch("the", max_length=4)
 
-
-# --- the real SmolLM2 vocabulary -------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def smollm2():
-    from pavejax import assets
-
-    try:
-        folder = assets.require("smollm2")
-    except assets.AssetMissingError as err:
-        pytest.skip(str(err))
-    return LlamaTokenizer.from_gguf(folder / SMOLLM2_FILE)
-
-
-@pytest.mark.assets
-def test_smollm2_special_tokens_and_candidates(smollm2):
-    tok = smollm2
-    assert tok.vocab_size == 49152
-    assert (tok.bos_id, tok.eos_id, tok.pad_id) == (1, 2, 2)
-    assert tok.decode([0, 1, 2], skip_special_tokens=False) == \
-        "<|endoftext|><|im_start|><|im_end|>"
-    assert tok.decode(list(range(17))) == ""  # the 17 control tokens
-    chat = tok.encode("<|im_start|>user\nHi<|im_end|>")
-    assert chat[0] == 1 and chat[-1] == 2 and tok.decode(chat) == "user\nHi"
-    assert tok.encode(" great") == [1109] and tok.encode(" terrible") == [13321]
-    prompt = tok.encode("It was")
-    assert prompt[0] != tok.bos_id  # no BOS added
-    assert tok.encode("It was great") == prompt + [1109]
-    assert len(tok.encode("12345")) == 5
-
-
-@pytest.mark.assets
-def test_smollm2_round_trip_and_chat_template(smollm2):
-    for text in VARIED:
-        assert smollm2.decode(smollm2.encode(text)) == text
-    user = [{"role": "user", "content": "What is 2+2?"}]
-    text = smollm2.apply_chat_template(user)
-    assert text.startswith("<|im_start|>system\nYou are a helpful AI assistant named SmolLM")
-    assert text.endswith("<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n")
-    own = smollm2.apply_chat_template([{"role": "system", "content": "Be brief."}, *user])
-    assert "SmolLM" not in own and own.startswith("<|im_start|>system\nBe brief.<|im_end|>")
-    ids = smollm2.encode(text)
-    assert ids.count(1) == 3 and ids.count(2) == 2  # three turns opened, two closed
