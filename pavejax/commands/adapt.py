@@ -4,7 +4,9 @@ The task's training split is the private pool; PACZero (:mod:`pavejax.paczero`) 
 sign per step that is unanimous over the secret candidate subsets of the pool or a fair coin
 (ZPL: zero mutual information), or a budgeted noisy sign (MI). MeZO (non-private) and DP-ZO
 (Gaussian noise on clipped per-example differences) are the baselines. Model selection reads
-the task's dev split, which lies outside the pool.
+the task's dev split, which lies outside the pool. With ``--lm`` the model is a causal language
+model adapted on a prompted task and the output an LM adapter release
+(:mod:`pavejax.commands.adapt_lm`).
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import argparse
 import contextlib
 from pathlib import Path
 
-from pavejax.commands import _shared as sh
+from pavejax.commands import _shared as sh, adapt_lm
 
 MECHANISMS = {
     "zpl": "PACZero-ZPL: zero mutual information between the secret candidate subset and "
@@ -46,15 +48,53 @@ DESCRIPTION = (
     "The secret index and the mechanism key (coins, noise, samples) come from the OS and never "
     "enter the release; with --checkpoint-dir they are saved in that directory (so the run can "
     "resume), which must stay private. The membership matrix is drawn from the public --seed: "
-    "the guarantee assumes the adversary knows it.")
+    "the guarantee assumes the adversary knows it. "
+    "LANGUAGE MODELS (--lm): the model is a causal LM (smollm2, a .gguf file or a Hugging Face "
+    "Llama folder), optionally with an LM adapter release made on it (--model); each labelled "
+    "sentence becomes a prompt (--template) scored by one candidate continuation per label "
+    "(--candidates), the loss is the cross-entropy over the candidate scores, and the adapted "
+    "weights are a LoRA adapter of the top block's feed-forward down-projection. The output "
+    "is an LM adapter release: the dense weight updates of the adapted kernels (W + delta; an "
+    "input adapter's updates included), named by the backbone's weights hash (a release for "
+    "another backbone is refused), with the template, candidates, guarantee and ledger. "
+    "--lm-path top (default) runs the frozen model once per sentence and then only the top "
+    "down-projection and the candidate rows of the output layer (exact; single-token "
+    "candidates; CPU-friendly); --lm-path whole runs the whole model at every step (any "
+    "candidates; sized for an accelerator).")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     sh.describe(p, DESCRIPTION, MECHANISMS, "mechanisms")
-    p.add_argument("--model", type=Path, required=True,
-                   help="model release directory (train, merge or adapt output)")
-    p.add_argument("--task", required=True,
-                   help="the private task; its class names must be the model's")
+    p.add_argument("--model", type=Path, default=None,
+                   help="model release directory (train, merge or adapt output); with --lm, "
+                        "optionally an LM adapter release made on that backbone")
+    data = p.add_mutually_exclusive_group(required=True)
+    data.add_argument("--task",
+                      help="the private task; its class names must be the model's (with --lm: "
+                           "one --candidates entry per class, in class order)")
+    data.add_argument("--data", type=Path, default=None,
+                      help='with --lm: the private labelled sentences, a JSON-lines file of '
+                           '{"sentence": "...", "label": i} records (i indexes --candidates), '
+                           'split 70/10/20 per label into pool/dev/test by --seed')
+    lm = p.add_argument_group("language models")
+    lm.add_argument("--lm", default=None,
+                    help="adapt a causal LM: 'smollm2' (the installed SmolLM2-135M-Instruct), "
+                         "a .gguf file or a Hugging Face Llama folder (config.json, "
+                         "model.safetensors, tokenizer.json)")
+    lm.add_argument("--template", default=None,
+                    help="prompt with one {sentence} slot, ending without a space (default "
+                         "'{sentence} It was')")
+    lm.add_argument("--candidates", nargs="+", default=None, metavar="TEXT",
+                    help="one continuation per label, with its leading space (default "
+                         "' terrible' ' great'); single tokens for --lm-path top")
+    lm.add_argument("--lm-path", choices=("top", "whole"), default=None,
+                    help="top (default): cache the frozen model below the adapted kernel "
+                         "(exact, single-token candidates, CPU-friendly); whole: the whole "
+                         "model at every step (any candidates; for an accelerator)")
+    lm.add_argument("--rank", type=sh.positive_int, default=None,
+                    help="LoRA rank r (alpha = 2r; default 8)")
+    lm.add_argument("--seq-len", type=sh.positive_int, default=None,
+                    help="tokens per prompt (longer prompts keep their end; default 64)")
     p.add_argument("--mechanism", choices=tuple(MECHANISMS), default="zpl",
                    help="zeroth-order mechanism (see below), default %(default)s")
     p.add_argument("--mi-budget", type=sh.positive_float, default=None,
@@ -66,9 +106,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(the pool size is public; noise calibrated by the PLD accountant)")
     p.add_argument("--delta", type=float, default=1e-5, help="dpzo: " + sh.DELTA_HELP)
     p.add_argument("--steps", type=sh.positive_int, default=300, help="zeroth-order steps")
-    p.add_argument("--lr", type=sh.positive_float, default=1e-2, help="initial learning rate")
-    p.add_argument("--zo-eps", type=sh.positive_float, default=1e-2,
-                   help="perturbation scale of the two-point differences")
+    p.add_argument("--lr", type=sh.positive_float, default=None,
+                   help="initial learning rate (default 1e-2; 3e-3 with --lm)")
+    p.add_argument("--zo-eps", type=sh.positive_float, default=None,
+                   help="perturbation scale of the two-point differences (default 1e-2; 1e-3 "
+                        "with --lm)")
     p.add_argument("--subsets", type=sh.positive_int, default=16,
                    help="zpl/mi: number M of secret candidate subsets (even)")
     p.add_argument("--dp-batch", type=sh.positive_int, default=64,
@@ -88,6 +130,27 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "not a release")
     p.add_argument("--progress", action="store_true", help="show a progress bar")
     sh.add_output_arguments(p, "adapted model")
+
+
+def _resolve_defaults(ns: argparse.Namespace) -> None:
+    """Refuse LM-only flags without --lm (and a missing --model), then fill the defaults that
+    differ between a classification head and an LM adapter."""
+    lm_only = {"--data": ns.data, "--template": ns.template, "--candidates": ns.candidates,
+               "--lm-path": ns.lm_path, "--rank": ns.rank, "--seq-len": ns.seq_len}
+    if ns.lm is None:
+        given = [k for k, v in lm_only.items() if v is not None]
+        if given:
+            raise ValueError(f"{', '.join(given)} apply to a language model only: add --lm "
+                             f"(smollm2, a .gguf file or a Hugging Face Llama folder)")
+        if ns.model is None:
+            raise ValueError("give --model (a model release to adapt), or --lm to adapt a "
+                             "language model")
+        defaults = {"lr": 1e-2, "zo_eps": 1e-2}
+    else:
+        defaults = {**adapt_lm.DEFAULTS, "lm_path": "top"}
+    for name, value in defaults.items():
+        if getattr(ns, name) is None:
+            setattr(ns, name, value)
 
 
 def _check_flags(ns: argparse.Namespace) -> None:
@@ -153,6 +216,9 @@ def run(ns: argparse.Namespace) -> int:
     from pavejax.paczero import init, train
     from pavejax.privacy import fresh_key
 
+    _resolve_defaults(ns)
+    if ns.lm is not None:
+        return adapt_lm.run(ns)
     _check_flags(ns)
     model = sh.load_model_release(ns.model)
     task = load_task(ns.task, seed=ns.seed, max_train=ns.pool_size, max_dev=ns.dev_size,
@@ -212,20 +278,24 @@ def run(ns: argparse.Namespace) -> int:
     summary = {"out": str(ns.out), "content_hash": digest, "mechanism": ns.mechanism,
                "steps": state.step, "test_accuracy_before": before, "test_accuracy": after,
                "guarantee": guarantee}
+    sh.emit(ns, summary, [
+        f"adapted with {ns.mechanism} on {n} private examples of {ns.task!r} ({state.step} "
+        f"steps, unanimity rate {state.unanimity_rate:.3f})",
+        *_summary_lines(guarantee, ns.delta, before, after),
+        f"model release: {ns.out} (content hash {digest})"])
+    return 0
+
+
+def _summary_lines(guarantee: dict, delta: float, before: float, after: float) -> list[str]:
+    """The test-accuracy and guarantee lines of the text summary."""
     if guarantee["kind"] == "pac_mi":
         what = (f"PAC: {guarantee['mutual_information_nats']:.4g} nats of mutual information "
                 f"with the secret candidate subset; an example's membership posterior <= "
                 f"{guarantee['mia_posterior_bound']:.4f} (prior 0.5); the pool's content is "
                 f"not protected")
     elif guarantee["kind"] == "dp":
-        what = (f"dp epsilon={guarantee['epsilon']:.4g} at delta={ns.delta:g} (replace one "
+        what = (f"dp epsilon={guarantee['epsilon']:.4g} at delta={delta:g} (replace one "
                 f"pool example; the pool size is public)")
     else:
         what = "none (not private)"
-    sh.emit(ns, summary, [
-        f"adapted with {ns.mechanism} on {n} private examples of {ns.task!r} ({state.step} "
-        f"steps, unanimity rate {state.unanimity_rate:.3f})",
-        f"test accuracy: {before:.4f} -> {after:.4f}",
-        f"guarantee: {what}",
-        f"model release: {ns.out} (content hash {digest})"])
-    return 0
+    return [f"test accuracy: {before:.4f} -> {after:.4f}", f"guarantee: {what}"]
