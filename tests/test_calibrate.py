@@ -13,11 +13,13 @@ import pytest
 from scipy import optimize, stats
 
 from pavejax.accounting import (
+    Ledger,
     calibrate,
     calibrate_steps,
     calibration as cal,
     dp_sam_step_event,
     gaussian_step_event,
+    ledger as led,
     run_event,
 )
 
@@ -198,12 +200,19 @@ def test_repeated_calibration_is_memoised(monkeypatch):
     make_event = poisson_run(1.0, 50)
     first = calibrate(make_event, 1.5, DELTA)
     built = []
-    fresh = cal._fresh_accountant
-    monkeypatch.setattr(cal, "_fresh_accountant",
-                        lambda *a, **k: built.append(1) or fresh(*a, **k))
+    for module in (cal, led):
+        monkeypatch.setattr(module, "_fresh_accountant", lambda *a, fresh=module._fresh_accountant,
+                            **k: built.append(1) or fresh(*a, **k))
     again = calibrate(poisson_run(1.0, 50), 1.5, DELTA)  # another callable, the same run
     assert again == first
     assert len(built) == 1  # the up-front support check; every epsilon came from the memo
+    # the ledger of the calibrated run, recorded step by step, finds its epsilon in the memo
+    ledger = Ledger("add_remove", "rdp")
+    for _ in range(50):
+        ledger.record(gaussian_step_event(first, q=1.0), coalesce=True)
+    assert len(built) == 2  # record's support check
+    assert ledger.epsilon(DELTA) == direct_epsilon(make_event(first), AR, "rdp") <= 1.5
+    assert len(built) == 2
 
 
 def test_rdp_warnings_are_silenced_and_the_level_restored():
@@ -222,7 +231,7 @@ def test_rdp_warnings_are_silenced_and_the_level_restored():
         # tiny noise at a high order: RDP drops orders whose series does not converge
         calibrate(poisson_run(0.5, 3), 50.0, DELTA, lo=1e-3, hi=2e-3)
         silenced = [r for r in seen.records if r.levelno < logging.ERROR]
-        cal._CACHE.clear()
+        led._EPSILON_MEMO.clear()
         logger.setLevel(logging.WARNING)
         calibrate(poisson_run(0.5, 3), 50.0, DELTA, lo=1e-3, hi=2e-3)
         assert logger.level == logging.WARNING  # restored, whatever it was

@@ -10,7 +10,6 @@ All numbers are host-side Python floats (float64); nothing here touches JAX.
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import logging
 import math
@@ -26,8 +25,8 @@ from pavejax.accounting.ledger import (
     _check_count,
     _check_delta,
     _check_epsilon,
-    _compose,
     _ensure_supported,
+    _epsilon_of_runs,
     _for_accountant,
     _fresh_accountant,
 )
@@ -37,8 +36,6 @@ __all__ = ["calibrate", "calibrate_steps"]
 _MAX_NOISE = 1e4  # no multiplier above this is searched: such a run learns nothing
 _MIN_NOISE = 1e-6
 _COARSE_PLD = 1e-3
-_CACHE: collections.OrderedDict[tuple, float] = collections.OrderedDict()
-_CACHE_SIZE = 4096
 
 MakeEvent = Callable[[float], dp_event.DpEvent]
 
@@ -58,21 +55,11 @@ def _quiet_rdp_warnings():
 
 def _epsilon(event: dp_event.DpEvent, delta: float, relation: Relation, accountant: str,
              pld_discretization: float) -> float:
-    """ε at ``delta`` of ``event`` as a fresh `Ledger` would report it, memoised on the
-    event's text (events are immutable; a calibration repeated for another config with the same
-    run replays its evaluations for free)."""
-    key = (repr(event), delta, relation.value, accountant, pld_discretization)
-    if key in _CACHE:
-        _CACHE.move_to_end(key)
-        return _CACHE[key]
-    acc = _fresh_accountant(accountant, relation, pld_discretization)
+    """ε at ``delta`` of ``event`` as a `Ledger` would report it (memoised with the ledgers'
+    figures: a calibration repeated for another config with the same run replays its
+    evaluations for free, and the ledger of the calibrated run finds its ε computed)."""
     with _quiet_rdp_warnings():
-        _compose(acc, _for_accountant(event, relation, accountant), 1)
-        value = float(acc.get_epsilon(delta))
-    _CACHE[key] = value
-    if len(_CACHE) > _CACHE_SIZE:
-        _CACHE.popitem(last=False)
-    return value
+        return _epsilon_of_runs([(event, 1)], delta, relation, accountant, pld_discretization)
 
 
 def _gaussian_mu(event: dp_event.DpEvent) -> float | None:

@@ -15,6 +15,7 @@ All numbers here are host-side Python floats (float64); nothing in this module t
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import enum
 import json
@@ -226,6 +227,40 @@ def _runs(events: Iterable[tuple[dp_event.DpEvent, int]]) -> list[tuple[dp_event
     return out
 
 
+def _unwrapped(event: dp_event.DpEvent, count: int) -> tuple[dp_event.DpEvent, int]:
+    """``SelfComposed(e, k)`` counted ``count`` times is ``e`` counted ``k * count`` times (what
+    every accountant does with it): one form for a run however it was written."""
+    while isinstance(event, dp_event.SelfComposedDpEvent):
+        event, count = event.event, event.count * count
+    return event, count
+
+
+_EPSILON_MEMO: collections.OrderedDict[tuple, float] = collections.OrderedDict()
+_EPSILON_MEMO_SIZE = 4096
+
+
+def _epsilon_of_runs(events: Iterable[tuple[dp_event.DpEvent, int]], delta: float,
+                     relation: Relation, accountant: str, pld_discretization: float) -> float:
+    """ε at ``delta`` of the adaptive composition of ``(event, count)`` pairs, as a fresh
+    accountant computes it, memoised on the events' text (events are immutable). A PLD build
+    takes seconds; a run is often analysed again, e.g. the ledger of a calibrated run after the
+    calibration evaluated its noise multiplier, or one of several equal developers' ledgers."""
+    runs = _runs(_unwrapped(e, c) for e, c in events)
+    key = (tuple((repr(e), c) for e, c in runs), delta, relation.value, accountant,
+           pld_discretization)
+    if key in _EPSILON_MEMO:
+        _EPSILON_MEMO.move_to_end(key)
+        return _EPSILON_MEMO[key]
+    acc = _fresh_accountant(accountant, relation, pld_discretization)
+    for event, count in runs:
+        _compose(acc, _for_accountant(event, relation, accountant), count)
+    value = float(acc.get_epsilon(delta))
+    _EPSILON_MEMO[key] = value
+    if len(_EPSILON_MEMO) > _EPSILON_MEMO_SIZE:
+        _EPSILON_MEMO.popitem(last=False)
+    return value
+
+
 def _ensure_supported(acc: dpa.PrivacyAccountant, event: dp_event.DpEvent) -> None:
     if not acc.supports(event):
         _compose(acc, event, 1)  # raises with dp-accounting's reason
@@ -383,7 +418,13 @@ class Ledger:
         """ε spent at ``delta`` in (0, 1); ``accountant`` overrides the default. inf if any
         non-private event was recorded."""
         delta = _check_delta(delta)
-        return float(self._accountant_for(accountant, self._entries).get_epsilon(delta))
+        return self._epsilon(delta, accountant, self._entries)
+
+    def _epsilon(self, delta: float, accountant: str | None,
+                 entries: list[LedgerEntry]) -> float:
+        name = self.accountant if accountant is None else _check_accountant(accountant)
+        return _epsilon_of_runs(((e.event, e.count) for e in entries), delta, self.relation,
+                                name, self.pld_discretization)
 
     def delta(self, epsilon: float, accountant: str | None = None) -> float:
         """δ spent at ``epsilon`` > 0; ``accountant`` overrides the default."""
@@ -394,9 +435,8 @@ class Ledger:
         """ε at ``delta`` of each label's entries composed on their own (who spent what)."""
         delta = _check_delta(delta)
         labels = dict.fromkeys(e.label for e in self._entries)
-        return {lab: float(self._accountant_for(
-            accountant, [e for e in self._entries if e.label == lab]).get_epsilon(delta))
-            for lab in labels}
+        return {lab: self._epsilon(delta, accountant, [e for e in self._entries if e.label == lab])
+                for lab in labels}
 
     def summary(self, delta: float) -> dict[str, Any]:
         """ε at ``delta`` by both accountants (None, with the reason, where one cannot analyse
