@@ -119,11 +119,6 @@ MODES = {
 # --- model pieces ------------------------------------------------------------------------------
 
 
-def _rms(x, scale, eps):
-    x32 = x.astype(jnp.float32)
-    return x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, -1, keepdims=True) + eps) * scale
-
-
 class LM:
     """The loaded model as (graphdef, params) plus the constants the benchmark needs."""
 
@@ -184,71 +179,30 @@ def _sentiment_data(lm: LM, mode: Mode, seed: int = 0):
     return out
 
 
-def _top_features(lm: LM, data: dict, batch: int = 32) -> dict[str, np.ndarray]:
-    """Frozen features at the last prompt position: the top block's input after its attention
-    half (``h_att``), the feed-forward hidden activation (``act``) and the block's output
-    without an adapter (``h_base``)."""
-    from pavejax.models.llama import causal_mask, positions_from_mask
+def _top_tracks(lm: LM, key):
+    """CPU tracks on cached features (:mod:`pavejax.lm_cache`): the top feed-forward block's
+    full weights, and LoRA on its down-projection. Each is (trainable, frozen, logits)."""
+    from pavejax.lm_cache import TopDownLora, TopMLP
 
-    top = lm.top
-
-    @jax.jit
-    def feats(params, input_ids, attention_mask):
-        m = lm.model(params)
-        pos, cm = positions_from_mask(attention_mask), causal_mask(attention_mask)
-        h = m.run_layers(m.embed_tokens(input_ids), pos, cm, stop=top)
-        last = (jnp.sum(attention_mask, -1) - 1)[:, None]
-        rows = jnp.take_along_axis(cm, last[..., None], axis=1)
-        blk = m.layers[top]
-        h_att = blk.attention(h, pos, rows, query_index=last)[:, 0]
-        x = blk.mlp_norm(h_att)
-        act = jax.nn.silu(x @ blk.mlp.gate.kernel[...]) * (x @ blk.mlp.up.kernel[...])
-        return {"h_att": h_att, "act": act, "h_base": h_att + act @ blk.mlp.down.kernel[...]}
-
-    arrays = {"input_ids": data["input_ids"], "attention_mask": data["attention_mask"]}
-    return _batched(lambda **kw: feats(lm.params, **kw), arrays, batch)
+    model = lm.model()
+    mlp = TopMLP.of(model)
+    down = TopDownLora.of(model, LORA)
+    b, a = lora.init_lora(key, lm.params, lambda p, _: p == down.path, LORA)
+    return {"": (mlp.trainable(model), mlp.frozen(model, lm.cands), mlp.logits),
+            "_lora": (b, down.frozen(model, a, lm.cands), down.logits)}
 
 
-def _head(lm: LM) -> dict[str, Any]:
-    """Final norm scale and the two candidate rows of the output layer (hidden, 2)."""
-    w = np.asarray(lm.model().output_matrix())[:, lm.cands]
-    return {"norm": np.asarray(lm.params["norm"]["scale"]), "rows": w}
-
-
-def _candidate_logits(h, head, eps):
-    return _rms(h, head["norm"], eps) @ head["rows"]
-
-
-def _ce(z, label):
-    return -jax.nn.log_softmax(z.astype(jnp.float32))[label]
-
-
-def _lora_track(lm: LM, key):
-    """Trainable B of LoRA on the top feed-forward down-projection; per-example loss."""
-    path = f"layers/{lm.top}/mlp/down/kernel"
-    b, a = lora.init_lora(key, lm.params, lambda p, _: p == path, LORA)
-    eps = lm.config.rms_norm_eps
-
-    def logits(tr, fr, ex):
-        h = ex["h_base"] + lora.lora_update(ex["act"], fr["A"][path], tr[path], LORA)
-        return _candidate_logits(h, fr["head"], eps)
-
-    return b, {"A": a, "head": _head(lm)}, logits
-
-
-def _mlp_track(lm: LM):
-    """Trainable = every weight of the top feed-forward block (gate, up, down)."""
-    mlp = lm.params["layers"][lm.top]["mlp"]
-    tr = {k: jnp.asarray(mlp[k]["kernel"]) for k in ("gate", "up", "down")}
-    norm = np.asarray(lm.params["layers"][lm.top]["mlp_norm"]["scale"])
-    eps = lm.config.rms_norm_eps
-
-    def logits(tr, fr, ex):
-        x = _rms(ex["h_att"], fr["mlp_norm"], eps)
-        h = ex["h_att"] + (jax.nn.silu(x @ tr["gate"]) * (x @ tr["up"])) @ tr["down"]
-        return _candidate_logits(h, fr["head"], eps)
-
-    return tr, {"mlp_norm": norm, "head": _head(lm)}, logits
+def _check_top_cache(lm: LM, data: dict, feats: dict, tracks: dict, k: int = 4) -> float:
+    """Max |candidate logit| difference between each cached path (untrained) and the whole
+    model on ``k`` prompts."""
+    m = lm.model()
+    ids, mask = data["input_ids"][:k], data["attention_mask"][:k]
+    full = np.asarray(jax.jit(lambda i, a: m(i, a))(ids, mask))
+    ref = full[np.arange(k), mask.sum(-1) - 1][:, lm.cands]
+    ex = {name: v[:k] for name, v in feats.items()}
+    return max(float(np.max(np.abs(ref - np.asarray(
+        jax.vmap(logits, in_axes=(None, None, 0))(tr, fr, ex))))) for tr, fr, logits in
+        tracks.values())
 
 
 def _whole_track(lm: LM, key):
@@ -285,6 +239,10 @@ def _whole_ft_track(lm: LM):
         return m.logits(h[0, 0], rows=jnp.asarray(lm.cands))
 
     return lm.params, None, logits
+
+
+def _ce(z, label):
+    return -jax.nn.log_softmax(z.astype(jnp.float32))[label]
 
 
 def _per_example(logits):
@@ -393,31 +351,22 @@ def _dp_lora(mode, loss, trainable, frozen, pool, dev_fn, score, lr):
             "noise_multiplier": z}
 
 
-def _check_top_cache(lm: LM, data: dict, feats: dict, k: int = 4) -> float:
-    """Max |candidate logit| difference between the cached path and the whole model."""
-    m = lm.model()
-    ids, mask = data["input_ids"][:k], data["attention_mask"][:k]
-    full = np.asarray(jax.jit(lambda i, a: m(i, a))(ids, mask))
-    last = mask.sum(-1) - 1
-    ref = full[np.arange(k), last][:, lm.cands]
-    head = _head(lm)
-    got = np.asarray(_candidate_logits(jnp.asarray(feats["h_base"][:k]), head,
-                                       lm.config.rms_norm_eps))
-    return float(np.max(np.abs(ref - got)))
-
-
 def sentiment(lm: LM, mode: Mode) -> tuple[list[dict], dict, dict]:
     """Every sentiment row, the summary entries and config facts."""
     data = _sentiment_data(lm, mode)
     info: dict[str, Any] = {}
     key = jax.random.key(7)  # the adapter's A (public here: no spec is released)
     if mode.track == "top":
+        from pavejax.lm_cache import top_features
+
         t0 = time.perf_counter()
-        feats = {s: {**_top_features(lm, data[s]), "label": data[s]["label"]} for s in data}
+        feats = {s: {**top_features(lm.model(), data[s]["input_ids"],
+                                    data[s]["attention_mask"]), "label": data[s]["label"]}
+                 for s in data}
         info["top_cache_seconds"] = time.perf_counter() - t0
-        info["top_cache_max_abs_diff"] = _check_top_cache(lm, data["test"], feats["test"])
-        tracks = {"": (_mlp_track(lm), mode.lr_mlp), "_lora": (_lora_track(lm, key),
-                                                                mode.lr_lora)}
+        top = _top_tracks(lm, key)
+        info["top_cache_max_abs_diff"] = _check_top_cache(lm, data["test"], feats["test"], top)
+        tracks = {"": (top[""], mode.lr_mlp), "_lora": (top["_lora"], mode.lr_lora)}
     else:
         feats = data
         tracks = {"": (_whole_ft_track(lm), mode.lr_mlp),

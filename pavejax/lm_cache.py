@@ -40,7 +40,7 @@ from flax import nnx
 from pavejax import lora as lora_lib
 from pavejax.models.llama import LlamaLM, causal_mask, positions_from_mask
 
-__all__ = ["TopDownLora", "candidate_token_ids", "top_down_path", "top_features"]
+__all__ = ["TopDownLora", "TopMLP", "candidate_token_ids", "top_down_path", "top_features"]
 
 
 def top_down_path(model: LlamaLM) -> str:
@@ -100,7 +100,8 @@ def _features_program(graphdef: Any) -> Callable:
         act = jax.nn.silu(g) * u
         down = mlp.down.kernel[...]
         h_base = h_att + jnp.matmul(act.astype(down.dtype), down)
-        return {"act": act.astype(jnp.float32), "h_base": h_base.astype(jnp.float32)}
+        return {"act": act.astype(jnp.float32), "h_base": h_base.astype(jnp.float32),
+                "h_att": h_att.astype(jnp.float32)}
 
     return jax.jit(features)
 
@@ -108,7 +109,9 @@ def _features_program(graphdef: Any) -> Callable:
 def top_features(model: LlamaLM, input_ids: Any, attention_mask: Any, *,
                  batch_size: int = 32) -> dict[str, np.ndarray]:
     """Frozen features of right-padded prompts at their last real position (see the module
-    docstring): ``{"act": (N, ffn), "h_base": (N, hidden)}``, float32 numpy.
+    docstring): ``{"act": (N, ffn), "h_base": (N, hidden), "h_att": (N, hidden)}``, float32
+    numpy; ``h_att`` is the top block's hidden state after its attention half (the input of
+    its feed-forward half, what :class:`TopMLP` needs).
 
     ``input_ids`` and ``attention_mask`` are (N, T). Runs the model (as it is: fold any earlier
     adaptation into its weights first) in chunks of ``batch_size`` prompts, one compilation; the
@@ -131,7 +134,7 @@ def top_features(model: LlamaLM, input_ids: Any, attention_mask: Any, *,
         idx = np.arange(i, i + batch_size) % n
         out = program(params, ids[idx].astype(np.int32), mask[idx].astype(np.int32))
         parts.append({k: np.asarray(v)[:min(batch_size, n - i)] for k, v in out.items()})
-    return {k: np.concatenate([p[k] for p in parts]) for k in ("act", "h_base")}
+    return {k: np.concatenate([p[k] for p in parts]) for k in ("act", "h_base", "h_att")}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -199,3 +202,83 @@ class TopDownLora:
                      examples: Mapping[str, jax.Array]) -> jax.Array:
         """:meth:`logits` of every example (leading axis N): (N, C) float32."""
         return jax.vmap(self.logits, in_axes=(None, None, 0))(trainable, frozen, examples)
+
+
+def _rms_rows(h: jax.Array, norm: jax.Array, rows: jax.Array, eps: float) -> jax.Array:
+    inv = jax.lax.rsqrt(jnp.mean(h * h, axis=-1, keepdims=True) + jnp.float32(eps))
+    return jnp.matmul(h * inv * norm, rows)
+
+
+@dataclasses.dataclass(frozen=True)
+class TopMLP:
+    """Full weights of the top block's feed-forward half, scored from :func:`top_features`.
+
+    The full-weights counterpart of :class:`TopDownLora` (the zeroth-order papers' "FT" setting,
+    restricted to the top feed-forward block): the trainable pytree is ``{"gate": (hidden,
+    ffn), "up": (hidden, ffn), "down": (ffn, hidden)}`` (:meth:`trainable`), the frozen one
+    ``{"mlp_norm": (hidden,), "norm": (hidden,), "rows": (hidden, C)}`` (:meth:`frozen`). An
+    example is ``{"h_att": (hidden,), "label": ()}``. Nothing below the feed-forward half
+    depends on these weights, so the candidate logits equal the whole model's with the trained
+    kernels put back (:meth:`merged`).
+
+    Attributes:
+      top: index of the top block.
+      eps: RMSNorm epsilon (the model's).
+    """
+
+    top: int
+    eps: float
+
+    @classmethod
+    def of(cls, model: LlamaLM) -> TopMLP:
+        """The top feed-forward block of ``model``."""
+        if not isinstance(model, LlamaLM):
+            raise TypeError(f"model must be a LlamaLM, got {type(model).__name__}")
+        return cls(model.config.num_layers - 1, float(model.config.rms_norm_eps))
+
+    def trainable(self, model: LlamaLM) -> dict[str, jax.Array]:
+        """The block's current kernels (float32 copies)."""
+        mlp = model.layers[self.top].mlp
+        return {k: jnp.asarray(getattr(mlp, k).kernel[...], jnp.float32)
+                for k in ("gate", "up", "down")}
+
+    def frozen(self, model: LlamaLM, candidate_ids: Any) -> dict[str, jax.Array]:
+        """The frozen pytree: the block's feed-forward norm, the final norm and the output
+        columns of the (C,) ``candidate_ids``, float32."""
+        ids = np.asarray(candidate_ids, np.int32)
+        if ids.ndim != 1 or ids.size < 2:
+            raise ValueError(f"candidate_ids must be (C,) with C >= 2, got shape {ids.shape}")
+        rows = jnp.take(model.output_matrix(), jnp.asarray(ids), axis=1)
+        return {"mlp_norm": jnp.asarray(model.layers[self.top].mlp_norm.scale[...], jnp.float32),
+                "norm": jnp.asarray(model.norm.scale[...], jnp.float32),
+                "rows": rows.astype(jnp.float32)}
+
+    def logits(self, trainable: Mapping[str, jax.Array], frozen: Mapping[str, Any],
+               example: Mapping[str, jax.Array]) -> jax.Array:
+        """Candidate logits of one example: (C,) float32. Pure and jittable."""
+        h = jnp.asarray(example["h_att"], jnp.float32)
+        x = h * jax.lax.rsqrt(jnp.mean(h * h, axis=-1, keepdims=True)
+                              + jnp.float32(self.eps)) * frozen["mlp_norm"]
+        ff = (jax.nn.silu(x @ trainable["gate"]) * (x @ trainable["up"])) @ trainable["down"]
+        return _rms_rows(h + ff, frozen["norm"], frozen["rows"], self.eps)
+
+    def loss(self, trainable: Mapping[str, jax.Array], frozen: Mapping[str, Any],
+             example: Mapping[str, jax.Array]) -> jax.Array:
+        """Cross-entropy of the candidate logits at ``example["label"]``, () float32."""
+        return -jax.nn.log_softmax(self.logits(trainable, frozen, example))[example["label"]]
+
+    def batch_logits(self, trainable: Mapping[str, jax.Array], frozen: Mapping[str, Any],
+                     examples: Mapping[str, jax.Array]) -> jax.Array:
+        """:meth:`logits` of every example (leading axis N): (N, C) float32."""
+        return jax.vmap(self.logits, in_axes=(None, None, 0))(trainable, frozen, examples)
+
+    def merged(self, model: LlamaLM, trainable: Mapping[str, jax.Array]) -> LlamaLM:
+        """A copy of ``model`` with the trained kernels in its top block."""
+        graphdef, state = nnx.split(model)
+        params = nnx.to_pure_dict(state)
+        for k in ("gate", "up", "down"):
+            old = params["layers"][self.top]["mlp"][k]["kernel"]
+            params["layers"][self.top]["mlp"][k]["kernel"] = jnp.asarray(trainable[k],
+                                                                        old.dtype)
+        nnx.replace_by_pure_dict(state, params)
+        return nnx.merge(graphdef, state)
