@@ -47,6 +47,7 @@ LAYER_OF: Mapping[str, str] = {
     "pavejax.checkpointing": "methods",
     "pavejax.interop": "methods",
     "pavejax.lm": "methods",
+    "pavejax.lm_cache": "methods",
     "pavejax.merging": "methods",
     "pavejax.paczero": "methods",
     "pavejax.pave": "methods",
