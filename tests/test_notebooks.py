@@ -20,10 +20,11 @@ EXPECTED = {
     "02_pave_privacy": ["replace_one", "conditional epsilon", "refused:", "broken: noise / 10"],
     "03_paczero": ["ZPL released 0 nats", "mezo", "dpzo"],
     "04_dp_merging": ["would claim", "all digits"],
+    "05_paczero_lm": ["calibrated on dev", "ZPL released 0.0 nats", "greedy:", "<|im_start|>"],
 }
 
 
-def test_the_four_notebooks_exist_clean_with_a_parameter_cell():
+def test_the_notebooks_exist_clean_with_a_parameter_cell():
     assert sorted(NOTEBOOKS) == sorted(EXPECTED)
     for name, path in NOTEBOOKS.items():
         nb = nbformat.read(path, as_version=4)
@@ -75,7 +76,8 @@ def _run(name: str, kernel: str, cwd: Path) -> str:
 @pytest.mark.slow
 @pytest.mark.parametrize("name", [
     pytest.param("01_quickstart", marks=pytest.mark.assets),
-    "02_pave_privacy", "03_paczero", "04_dp_merging"])
+    "02_pave_privacy", "03_paczero", "04_dp_merging",
+    pytest.param("05_paczero_lm", marks=pytest.mark.assets)])
 def test_notebook_runs_top_to_bottom(name, kernel, tmp_path):
     text = _run(name, kernel, tmp_path)
     for phrase in EXPECTED[name]:
