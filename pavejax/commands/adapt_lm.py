@@ -258,7 +258,7 @@ def _top_problem(backbone: Backbone, model, A, config, template, task, seq_len) 
         ids, mask = encode_prompts(tok, prompts, max_length=seq_len, pad_id=tok.pad_id,
                                    padding_side="right")
         feats = top_features(model, ids, mask)
-        data[split] = {k: jnp.asarray(v) for k, v in feats.items()} | {
+        data[split] = {k: jnp.asarray(feats[k]) for k in ("act", "h_base")} | {
             "label": jnp.asarray(part.labels, jnp.int32)}
 
     def dev_loss(tr, fr):
