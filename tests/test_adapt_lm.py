@@ -184,6 +184,7 @@ def test_zpl_release_loads_and_its_figures_hold(work, mezo, zpl):
     assert meta.kind == "lm_adapter" and meta.backbone_id == "tiny_lm"
     assert meta.backbone_hash == backbone.hash
     assert meta.extra["template"] == TEMPLATE and meta.extra["candidates"] == list(CANDIDATES)
+    assert meta.extra["classes"] == ["bad", "great"]  # a --data file's labels are the candidates
     assert meta.mechanism == "paczero-zpl" and meta.rank == 2
     # ZPL: zero nats, so a membership attack's posterior stays at the prior 1/2
     g = meta.guarantee

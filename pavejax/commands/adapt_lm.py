@@ -377,7 +377,7 @@ def run(ns: argparse.Namespace) -> int:
              "dp_batch_size": zcfg.dp_batch_size, "noise_multiplier": state.noise_multiplier,
              "public_seed": ns.seed, "lora_rank": ns.rank, "lora_alpha": config.alpha,
              "lm_path": ns.lm_path, "seq_len": ns.seq_len}
-    extra = {"task": task_name, "classes": list(label_names), "template": template.template,
+    extra = {"task": task_name, "classes": list(task.label_names), "template": template.template,
              "candidates": list(template.candidates),
              "test_accuracy": after, "test_accuracy_before": before,
              "data": {"task": task_name, "seed": ns.seed, "pool_size": n,
