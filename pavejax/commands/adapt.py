@@ -15,7 +15,7 @@ import argparse
 import contextlib
 from pathlib import Path
 
-from pavejax.commands import _shared as sh, adapt_lm
+from pavejax.commands import _shared as sh, _zo, adapt_lm
 
 MECHANISMS = {
     "zpl": "PACZero-ZPL: zero mutual information between the secret candidate subset and "
@@ -153,21 +153,6 @@ def _resolve_defaults(ns: argparse.Namespace) -> None:
             setattr(ns, name, value)
 
 
-def _check_flags(ns: argparse.Namespace) -> None:
-    if ns.mechanism == "mi" and ns.mi_budget is None:
-        raise ValueError("--mechanism mi needs --mi-budget (nats), e.g. 0.33")
-    if ns.mechanism == "dpzo" and ns.epsilon is None:
-        raise ValueError("--mechanism dpzo needs --epsilon (e.g. 4)")
-    if ns.mechanism != "mi" and ns.mi_budget is not None:
-        raise ValueError("--mi-budget applies to --mechanism mi only")
-    if ns.mechanism != "dpzo" and ns.epsilon is not None:
-        raise ValueError("--epsilon applies to --mechanism dpzo only (zpl releases 0 nats; mi "
-                         "takes --mi-budget)")
-    if ns.subsets % 2:
-        raise ValueError(f"--subsets must be even (each pool example is in half of the "
-                         f"subsets), got {ns.subsets}")
-
-
 def _config(ns: argparse.Namespace, n: int):
     from pavejax.paczero import ZOConfig
 
@@ -176,34 +161,6 @@ def _config(ns: argparse.Namespace, n: int):
                     mi_budget=ns.mi_budget, target_epsilon=ns.epsilon, delta=ns.delta,
                     dp_batch_size=min(ns.dp_batch, n) if ns.mechanism == "dpzo" else None,
                     eval_every=max(1, ns.steps // 10))
-
-
-def _guarantee(ns, zcfg, ledger, n: int, task: str) -> tuple[dict, dict]:
-    from pavejax.accounting import pac
-
-    pool = f"each example of the private pool ({n} training examples of task {task!r})"
-    membership = (f"each pool example's membership in the secret candidate subset (pool: {n} "
-                  f"training examples of task {task!r}); the pool's content is not protected")
-    kept = ["secret subset index and mechanism key drawn from the OS, never released",
-            "the dev split used for selection lies outside the pool"]
-    if ns.mechanism == "mezo":
-        return ({"kind": "none", "note": "MeZO releases exact pool-mean directional "
-                                         "derivatives: not private"},
-                {"note": "non-private: no risk bound"})
-    if ns.mechanism == "dpzo":
-        g = sh.dp_guarantee(ledger, ns.delta, protects=pool, conditions=kept[:1] + [
-            f"per-example differences clipped to {zcfg.l2_clip}, Poisson sampling"])
-        return g, sh.risk_record(g["epsilon"], ns.delta)
-    mi = ledger.mutual_information()
-    post = pac.mia_posterior_bound(mi, 0.5)
-    g = {"kind": "pac_mi", "mutual_information_nats": mi, "membership_prior": 0.5,
-         "mia_posterior_bound": post, "num_subsets": zcfg.num_subsets, "protects": membership,
-         "against": "anyone who sees this release and every update of the run, assumed to "
-                    "know the whole pool and the candidate subsets",
-         "conditions": kept + ["each pool example is in exactly half of the candidate subsets"]}
-    return g, {"mutual_information_nats": mi, "mia_posterior_bound": post,
-               "epsilon_at_same_mia_level": pac.mi_to_epsilon(mi, ns.delta),
-               "delta_for_epsilon_match": ns.delta}
 
 
 def run(ns: argparse.Namespace) -> int:
@@ -219,7 +176,7 @@ def run(ns: argparse.Namespace) -> int:
     _resolve_defaults(ns)
     if ns.lm is not None:
         return adapt_lm.run(ns)
-    _check_flags(ns)
+    _zo.check_flags(ns)
     model = sh.load_model_release(ns.model)
     task = load_task(ns.task, seed=ns.seed, max_train=ns.pool_size, max_dev=ns.dev_size,
                      max_test=ns.test_size)
@@ -252,7 +209,7 @@ def run(ns: argparse.Namespace) -> int:
     final = jax.tree.map(jnp.asarray, state.best) if improved else model.params
     before, after = (sh.accuracy(p, test, model.classes) for p in (model.params, final))
     led = state.ledger
-    guarantee, risk = _guarantee(ns, zcfg, led, n, ns.task)
+    guarantee, risk = _zo.guarantee(ns, zcfg, led, n, ns.task)
     ledger = None if ns.mechanism == "mezo" else led
     extra = {"task": ns.task, "classes": list(model.classes),
              "test_accuracy": after, "test_accuracy_before": before,
@@ -281,21 +238,6 @@ def run(ns: argparse.Namespace) -> int:
     sh.emit(ns, summary, [
         f"adapted with {ns.mechanism} on {n} private examples of {ns.task!r} ({state.step} "
         f"steps, unanimity rate {state.unanimity_rate:.3f})",
-        *_summary_lines(guarantee, ns.delta, before, after),
+        *_zo.summary_lines(guarantee, ns.delta, before, after),
         f"model release: {ns.out} (content hash {digest})"])
     return 0
-
-
-def _summary_lines(guarantee: dict, delta: float, before: float, after: float) -> list[str]:
-    """The test-accuracy and guarantee lines of the text summary."""
-    if guarantee["kind"] == "pac_mi":
-        what = (f"PAC: {guarantee['mutual_information_nats']:.4g} nats of mutual information "
-                f"with the secret candidate subset; an example's membership posterior <= "
-                f"{guarantee['mia_posterior_bound']:.4f} (prior 0.5); the pool's content is "
-                f"not protected")
-    elif guarantee["kind"] == "dp":
-        what = (f"dp epsilon={guarantee['epsilon']:.4g} at delta={delta:g} (replace one "
-                f"pool example; the pool size is public)")
-    else:
-        what = "none (not private)"
-    return [f"test accuracy: {before:.4f} -> {after:.4f}", f"guarantee: {what}"]

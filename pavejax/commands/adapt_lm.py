@@ -27,7 +27,7 @@ import json
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from pavejax.commands import _shared as sh
+from pavejax.commands import _shared as sh, _zo
 
 KIND = "lm_adapter"
 LM_PATHS = ("top", "whole")
@@ -324,12 +324,11 @@ def run(ns: argparse.Namespace) -> int:
 
     from pavejax import lm, lora as lora_lib
     from pavejax.checkpointing import TrainCheckpointer
-    from pavejax.commands.adapt import _check_flags, _guarantee, _summary_lines
     from pavejax.paczero import ZOConfig, init, train
     from pavejax.privacy import fresh_key
     from pavejax.release import ReleaseMetadata, save_release
 
-    _check_flags(ns)
+    _zo.check_flags(ns)
     template = template_from_flags(ns)
     label_names = tuple(c.strip() for c in template.candidates)
     task = _task(ns, label_names)
@@ -367,7 +366,7 @@ def run(ns: argparse.Namespace) -> int:
     improved = state.best is not None and state.best_dev < start_dev
     final = state.best if improved else B
     before, after = prob.accuracy(B, "test"), prob.accuracy(final, "test")
-    guarantee, risk = _guarantee(ns, zcfg, state.ledger, n, task_name)
+    guarantee, risk = _zo.guarantee(ns, zcfg, state.ledger, n, task_name)
     new = {p: np.asarray(d, np.float32)
            for p, d in lora_lib.lora_delta(final, A, config).items()}
     deltas = {p: new.get(p, 0) + upstream_deltas.get(p, 0) for p in {*new, *upstream_deltas}}
@@ -408,6 +407,6 @@ def run(ns: argparse.Namespace) -> int:
         f"{ns.mechanism} on {n} private examples of {task_name!r} ({state.step} steps, "
         f"unanimity rate {state.unanimity_rate:.3f})",
         f"prompt: {template.template!r} -> {' | '.join(map(repr, template.candidates))}",
-        *_summary_lines(guarantee, ns.delta, before, after),
+        *_zo.summary_lines(guarantee, ns.delta, before, after),
         f"LM adapter release: {ns.out} (content hash {digest})"])
     return 0
