@@ -33,7 +33,7 @@ KIND = "lm_adapter"
 LM_PATHS = ("top", "whole")
 DEFAULT_TEMPLATE = "{sentence} It was"
 DEFAULT_CANDIDATES = (" terrible", " great")
-DEFAULTS = {"lr": 3e-3, "zo_eps": 1e-3, "rank": 8, "seq_len": 64}
+DEFAULTS = {"lr": 0.3, "zo_eps": 1e-3, "rank": 8, "seq_len": 64}
 WHOLE_MICROBATCH = 32
 
 
