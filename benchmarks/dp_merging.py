@@ -116,6 +116,7 @@ former constant-rate AdamW at 1e-2 (same settings, previous ``--mid``): naive in
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
 import statistics
@@ -297,8 +298,10 @@ def train_private(model: Model, mode: str, s: Settings, keys: jax.Array, data: d
                          anchors=anchors, learning_rates=lrs, post=reset_foreign_columns).params
 
 
+@functools.lru_cache(maxsize=8)
 def make_nonprivate_trainer(model: Model, s: Settings):
-    """``train(keys (R, T), data, cols, w0, lrs (R,))``: the non-private reference.
+    """``train(keys (R, T), data, cols, w0, lrs (R,))``: the non-private reference (one
+    compiled program per model object and settings: the tuning and the final run share it).
 
     The tuned recipe without what privacy requires: no clipping, no noise, shuffled minibatches
     of the recipe's batch size (remainder dropped) for the private runs' number of epochs,

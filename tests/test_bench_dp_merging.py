@@ -24,6 +24,13 @@ def bench():
         yield module
 
 
+@pytest.fixture(scope="module")
+def model(bench):
+    """One model object for the module: the trainers' programs are cached per loss function, so
+    tests with the same settings and shapes share one compilation."""
+    return bench.Model(1e-12)
+
+
 def _settings(bench, **changes):
     base = dict(tasks=("a", "b"), n_train=64, n_test=48, seq_len=4, steps=40,
                 epsilons=(4.0, math.inf), seeds=1, rank=2, learning_rate=5e-2, wudi_iters=5,
@@ -119,13 +126,13 @@ def _stack(ds):
 
 
 @pytest.fixture(scope="module")
-def none_run(bench):
+def none_run(bench, model):
     """A noise-free DP-AdamW ("none") run of two synthetic tasks, without and with the anchor:
     (inputs of ``train_private(model, mode, s, *inputs)``, settings, trained params), shared
     by two tests."""
     s = _settings(bench)
     train, cols = _synthetic(0, s.n_train)
-    w0, model = _w0(1), bench.Model(1e-12)
+    w0 = _w0(1)
     key = jax.random.key(0)
     keys = jnp.stack([jnp.stack([jax.random.fold_in(key, t) for t in range(2)])] * 2)
     inputs = (keys, _stack(train), cols, w0, [0.0, 0.0], [0.0, bench.METHODS["anchor"][1]],
@@ -133,10 +140,9 @@ def none_run(bench):
     return inputs, s, bench.train_private(model, "none", s, *inputs)
 
 
-def test_trainer_learns_and_the_anchor_bounds_drift(bench, none_run):
+def test_trainer_learns_and_the_anchor_bounds_drift(model, none_run):
     (_, _, cols, w0, _, _, _), s, params = none_run
     train, _ = _synthetic(0, s.n_train)
-    model = bench.Model(1e-12)
     for t in range(2):
         before = float(model.accuracy(w0, cols[t], train[t]))
         free, anchored = (jax.tree.map(lambda x: x[r, t], params) for r in range(2))  # noqa: B023
@@ -150,12 +156,12 @@ def test_trainer_learns_and_the_anchor_bounds_drift(bench, none_run):
                                           np.asarray(w0["head"])[:, ~np.asarray(cols[t])])
 
 
-def test_fresh_mode_draws_its_own_ascent_batch_and_keeps_the_descent_pairing(bench, none_run):
+def test_fresh_mode_draws_its_own_ascent_batch_and_keeps_the_descent_pairing(bench, model,
+                                                                              none_run):
     # Without noise, the descent batches come from the same key in every mode. With rho = 0 the
     # ascent is not applied, so "fresh" trains exactly as "none"; with rho > 0 "fresh" and
     # "same" differ only through the ascent query's batch.
     inputs, s, params = none_run
-    model = bench.Model(1e-12)
 
     def train_mode(mode, rho):
         return jax.tree.leaves(
@@ -168,7 +174,7 @@ def test_fresh_mode_draws_its_own_ascent_batch_and_keeps_the_descent_pairing(ben
     assert max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(same, fresh, strict=True)) > 1e-4
 
 
-def test_nonprivate_reference_is_plain_adamw_on_shuffled_minibatches(bench):
+def test_nonprivate_reference_is_plain_adamw_on_shuffled_minibatches(bench, model):
     """The reference trainer equals a hand-written loop: the same permutation per epoch, the
     mean loss's unclipped gradient, AdamW with the recipe's schedule scaled to the peak rate,
     no noise, no anchor; and it learns the synthetic task."""
@@ -179,27 +185,32 @@ def test_nonprivate_reference_is_plain_adamw_on_shuffled_minibatches(bench):
 
     s = _settings(bench, steps=48)  # 48 steps of 16 over 64 examples: 12 epochs
     train, cols = _synthetic(0, s.n_train)
-    w0, model = _w0(1), bench.Model(1e-12)
+    w0 = _w0(1)
     key, lr = jax.random.key(3), 5e-2
     keys = jnp.stack([jnp.stack([jax.random.fold_in(key, t) for t in range(2)])])
     got = bench.make_nonprivate_trainer(model, s)(keys, _stack(train), cols, w0,
                                                   jnp.asarray([lr], jnp.float32))
     rb = s.recipe.batch_size
     assert s.epochs == 12 and s.nonprivate_steps == 12 * (s.n_train // rb)
+    tx = promotion_safe(optax.adamw(
+        recipes.schedule(s.recipe.schedule, lr, s.nonprivate_steps, s.recipe.warmup_fraction),
+        weight_decay=s.recipe.weight_decay))
+
+    @jax.jit  # one step of the hand-written loop (compiled once: the loop runs 96 of them)
+    def step(p, st, batch, col):
+        g = jax.grad(lambda q: model.mean_loss(q, col, batch))(p)
+        u, st = tx.update(g, st, p)
+        p = optax.apply_updates(p, u)
+        return p | {"head": jnp.where(col[None, :], p["head"], w0["head"])}, st
+
     for t in range(2):
-        tx = promotion_safe(optax.adamw(
-            recipes.schedule(s.recipe.schedule, lr, s.nonprivate_steps,
-                             s.recipe.warmup_fraction), weight_decay=s.recipe.weight_decay))
         p, st = w0, tx.init(w0)
         for e in range(s.epochs):
             perm = np.asarray(jax.random.permutation(jax.random.fold_in(keys[0, t], e),
                                                      s.n_train))
             for b in range(s.n_train // rb):
                 batch = jax.tree.map(lambda x: x[perm[b * rb:(b + 1) * rb]], train[t])  # noqa: B023
-                g = jax.grad(lambda q: model.mean_loss(q, cols[t], batch))(p)  # noqa: B023
-                u, st = tx.update(g, st, p)
-                p = optax.apply_updates(p, u)
-                p = p | {"head": jnp.where(cols[t][None, :], p["head"], w0["head"])}
+                p, st = step(p, st, batch, cols[t])
         mine = jax.tree.map(lambda x: x[0, t], got)  # noqa: B023
         for a, b in zip(jax.tree.leaves(mine), jax.tree.leaves(p), strict=True):
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-4, atol=2e-5)
@@ -207,13 +218,13 @@ def test_nonprivate_reference_is_plain_adamw_on_shuffled_minibatches(bench):
         assert float(model.accuracy(mine, cols[t], train[t])) >= max(0.9, before + 0.1)
 
 
-def test_learning_rates_are_chosen_on_dev(bench):
+def test_learning_rates_are_chosen_on_dev(bench, model):
     s = _settings(bench, learning_rate=None, lr_grid_private=(1e-7, 5e-2),
                   lr_grid_nonprivate=(5e-2, 1e-7), epsilons=(math.inf,))
     data, cols = _synthetic(0, s.n_train + 48)  # dev: 48 more examples of the same tasks
     train = [jax.tree.map(lambda x: x[:s.n_train], d) for d in data]
     devs = [jax.tree.map(lambda x: x[s.n_train:], d) for d in data]
-    w0, model = _w0(1), bench.Model(1e-12)
+    w0 = _w0(1)
     lr_p, lr_np, rows = bench.tune_learning_rates(model, s, w0, _stack(train), cols, devs,
                                                   log=lambda m: None)
     assert (lr_p, lr_np) == (5e-2, 5e-2)  # a rate of 1e-7 leaves w0 unchanged
@@ -230,9 +241,9 @@ def test_learning_rates_are_chosen_on_dev(bench):
         0.02, 0.02, [])
 
 
-def test_merges_of_unchanged_or_identical_models(bench):
+def test_merges_of_unchanged_or_identical_models(bench, model):
     train, cols = _synthetic(4, 40)
-    w0, model = _w0(5), bench.Model(1e-12)
+    w0 = _w0(5)
     s = _settings(bench)
     zero = statistics.fmean(float(model.accuracy(w0, cols[t], train[t])) for t in range(2))
     # All-zero task vectors: every operator returns w0.
@@ -297,10 +308,13 @@ def test_summary_counts_wins_and_pairs_seeds(bench):
 def test_benchmark_end_to_end_on_real_minilm_one_task(bench, tmp_path):
     # the quick set: dpm_paper shares dpm's trainer and calibration (one ascent mode), so
     # leaving it out keeps the test short; the other modes' trainers run in the tests above
+    # four private rates: the sweep then has the shape of the training of naive and anchor
+    # (2 methods x 2 budgets, both DP-AdamW), and the two share one compiled program
     methods = bench.QUICK.methods
+    rates = (3e-3, 1e-2, 3e-2, 1e-1)
     s = bench.Settings(("bbc",), n_train=32, n_test=24, seq_len=8, steps=6,
                        epsilons=(4.0, math.inf), seeds=1, wudi_iters=2, sharp_examples=8,
-                       methods=methods, n_dev=16, lr_grid_private=(1e-2, 3e-2),
+                       methods=methods, n_dev=16, lr_grid_private=rates,
                        lr_grid_nonprivate=(1e-2,))
     config, rows, summary = bench.run(s, log=lambda m: None)
     assert config["tasks"] == ["bbc"] and len(config["prompts"]) == len(bench.CLASSES)
@@ -310,7 +324,7 @@ def test_benchmark_end_to_end_on_real_minilm_one_task(bench, tmp_path):
     assert kinds.count("merged") == (len(methods) * 2 + 1) * len(bench.MERGES)
     sweep = [r for r in rows if r["kind"] == "lr_sweep"]
     assert [(r["method"], r["learning_rate"]) for r in sweep] == [
-        ("naive", 1e-2), ("naive", 3e-2), ("nonprivate", 1e-2)]
+        *(("naive", lr) for lr in rates), ("nonprivate", 1e-2)]
     best = max((r for r in sweep if r["method"] == "naive"), key=lambda r: r["accuracy"])
     assert summary["lr_private"] == best["learning_rate"] and summary["lr_nonprivate"] == 1e-2
     assert config["recipe"]["trained"] == "lora" and "nonprivate_individual" in summary
