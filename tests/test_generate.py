@@ -7,24 +7,42 @@ import pytest
 from flax import nnx
 
 from pavejax.lora import LoraAdapters, LoraConfig, init_lora
-from pavejax.models import KVCache, LlamaConfig, LlamaLM, generate, init_cache
+from pavejax.models import KVCache, LlamaConfig, generate, init_cache
+from tests.test_llama import random_llama
 
-CFG = LlamaConfig.tiny()
+CFG = LlamaConfig.tiny()  # two layers: each layer must read its own slice of the cache
 LENGTHS = (7, 3, 5, 1)  # real prompt lengths; the prompts are left-padded to T
 T, N, PAD = 7, 6, 0
-STATIC = ("max_new_tokens", "stop_tokens", "pad_id", "temperature", "top_k")
-_forward = jax.jit(lambda m, ids, mask, lora=None: m(ids, mask, lora=lora))
+
+
+@jax.jit
+def _forward(model, ids, mask, lora):
+    """Full-forward logits without and with the adapters (one compiled program for both)."""
+    return model(ids, mask), model(ids, mask, lora=lora)
 
 
 @pytest.fixture(scope="module")
 def model():
-    """Weights re-drawn as N(0, 0.3^2) (norm scales 1): O(1) logits, varied greedy outputs."""
-    graphdef, state = nnx.split(LlamaLM(CFG, rngs=nnx.Rngs(0)))
-    rng = np.random.default_rng(0)
-    state = jax.tree_util.tree_map(
-        lambda x: jnp.ones_like(x) if x.ndim == 1 else
-        jnp.asarray(0.3 * rng.standard_normal(x.shape), x.dtype), state)
-    return nnx.merge(graphdef, state)
+    """Weights N(0, 0.3^2), norm scales 1: O(1) logits, varied greedy outputs."""
+    return random_llama(CFG, seed=0, norm_noise=0.0)
+
+
+@pytest.fixture(scope="module")
+def lora(model):
+    """Factored LoRA on q, v and down of every layer, B far from zero (the adapters matter)."""
+    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    config = LoraConfig(rank=2)
+    # init_lora's paths and shapes (eval_shape: no random program to compile), host values
+    b, a = jax.eval_shape(lambda: init_lora(
+        jax.random.key(4), params,
+        lambda path, _: path.endswith(("q/kernel", "v/kernel", "down/kernel")), config))
+    rng = np.random.default_rng(5)
+
+    def draw(x, scale):
+        return jnp.asarray((scale * rng.standard_normal(x.shape)).astype(np.float32))
+
+    return LoraAdapters({p: draw(x, 0.3) for p, x in b.items()},
+                        {p: draw(x, 1 / np.sqrt(config.rank)) for p, x in a.items()}, config)
 
 
 def _prompts(right=False):
@@ -35,42 +53,34 @@ def _prompts(right=False):
         cols = slice(0, n) if right else slice(T - n, T)
         ids[r, cols] = rng.integers(3, CFG.vocab_size, n)
         mask[r, cols] = 1
-    return jnp.asarray(ids), jnp.asarray(mask)
+    return ids, mask
 
 
 @pytest.fixture(scope="module")
-def reference(model):
+def reference(model, lora):
     """Greedy continuation (B, N) by re-running the full forward on the growing sequence: ``N``
     calls of one compiled forward on a (B, T + N) buffer whose not-yet-generated slots are
     masked out."""
-    ids, mask = (np.array(a) for a in _prompts())
+    ids, mask = _prompts()
     buf = np.concatenate([ids, np.full((len(LENGTHS), N), PAD, np.int32)], axis=1)
     seen = np.concatenate([mask, np.zeros((len(LENGTHS), N), np.int32)], axis=1)
     for i in range(N):
-        logits = _forward(model, buf, seen)
+        logits = _forward(model, buf, seen, lora)[0]
         buf[:, T + i] = np.asarray(logits[:, T - 1 + i]).argmax(axis=-1)
         seen[:, T + i] = 1
     return buf[:, T:]
 
 
-def test_cached_decoding_equals_full_recomputation_token_by_token(model, reference):
+def test_cached_decoding_equals_full_recomputation_token_by_token(model, lora, reference):
     """With factored LoRA on every layer: feed the prompts slot by slot (padding included), then
     the reference tokens one at a time, through one jitted, cache-donating step. The logits at
     every position that chooses a token equal the full forward's on the whole sequence (causal,
     so one call gives them all); the step compiles once and the cache keeps its shapes."""
-    ids, mask = (np.asarray(a) for a in _prompts())
-    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
-    config = LoraConfig(rank=2)
-    b, a = init_lora(jax.random.key(4), params,
-                     lambda path, _: path.endswith(("q/kernel", "v/kernel", "down/kernel")),
-                     config)
-    rng = np.random.default_rng(5)
-    lora = LoraAdapters({p: jnp.asarray(0.3 * rng.standard_normal(v.shape), jnp.float32)
-                         for p, v in b.items()}, a, config)
+    ids, mask = _prompts()
     seq = np.concatenate([ids, reference], axis=1)
     seq_mask = np.concatenate([mask, np.ones((len(LENGTHS), N), np.int32)], axis=1)
-    want = np.asarray(_forward(model, seq, seq_mask, lora))
-    assert np.max(np.abs(want - _forward(model, seq, seq_mask))) > 0.1  # the adapters matter
+    plain, want = map(np.asarray, _forward(model, seq, seq_mask, lora))
+    assert np.max(np.abs(want - plain)) > 0.1  # the adapters matter
     traces = []
 
     def step(m, ids, mask, cache, lora):
@@ -90,7 +100,8 @@ def test_cached_decoding_equals_full_recomputation_token_by_token(model, referen
     assert jax.tree_util.tree_map(lambda x: (x.shape, x.dtype), cache) == shapes
     assert int(cache.length) == T + N - 1
     np.testing.assert_array_equal(cache.next_position, np.array(LENGTHS) + N - 1)
-    np.testing.assert_array_equal(cache.valid.sum(axis=1), np.array(LENGTHS) + N - 1)
+    np.testing.assert_array_equal(np.asarray(cache.valid).sum(axis=1),
+                                  np.array(LENGTHS) + N - 1)
     real = seq_mask[:, :-1] == 1  # padded slots' logits are meaningless
     np.testing.assert_allclose(np.stack(got, axis=1)[real], want[:, :-1][real],
                                rtol=1e-5, atol=1e-5)
@@ -120,66 +131,74 @@ def _expected(tokens, stop):
 
 @pytest.fixture(scope="module")
 def runs(model, reference):
-    """One compiled greedy generation (stop token chosen from the reference) on left- and
-    right-padded prompts, and the sampled runs, each jitted as a whole."""
+    """Greedy generation (stop token chosen from the reference), sampling and top-1 sampling in
+    one jitted program (each ``generate`` inside with its own static settings), called on left-
+    and right-padded prompts and with several keys: it must compile only once."""
     stop = _stop_token(reference)
     traces = []
 
-    def traced(*args, **kwargs):
+    @jax.jit
+    def generations(model, ids, mask, key):
         traces.append(1)
-        return generate(*args, **kwargs)
+        greedy = dict(max_new_tokens=N, stop_tokens=(stop,), pad_id=PAD)
+        return {"greedy": generate(model, ids, mask, **greedy),
+                "sampled": generate(model, ids, mask, max_new_tokens=N, pad_id=PAD,
+                                    temperature=1.5, key=key),
+                "top1": generate(model, ids, mask, key=key, top_k=1, temperature=0.7,
+                                 **greedy)}
 
-    fast = jax.jit(traced, static_argnames=STATIC)
-    greedy = dict(max_new_tokens=N, stop_tokens=(stop,), pad_id=PAD)
-    out = {"stop": stop, "left": fast(model, *_prompts(), **greedy),
-           "right": fast(model, *_prompts(right=True), **greedy)}
+    out = {"stop": stop,
+           "left": generations(model, *_prompts(), jax.random.key(1)),
+           "right": generations(model, *_prompts(right=True), jax.random.key(3)),
+           "left_again": generations(model, *_prompts(), jax.random.key(1)),
+           "left_key2": generations(model, *_prompts(), jax.random.key(2))}
     out["traces"] = len(traces)
-    sample = dict(max_new_tokens=N, pad_id=PAD, temperature=1.5)
-    for name, seed in (("key1", 1), ("key1_again", 1), ("key2", 2)):
-        out[name] = fast(model, *_prompts(), key=jax.random.key(seed), **sample)
-    out["top1"] = fast(model, *_prompts(), key=jax.random.key(3), top_k=1, **greedy,
-                       temperature=0.7)
     return jax.device_get(out)
 
 
 def test_greedy_generation_equals_recomputation_and_stops(reference, runs):
     want, lengths, finished = _expected(reference, runs["stop"])
     assert finished.any() and not finished.all() and lengths.min() < N
-    got = runs["left"]
+    got = runs["left"]["greedy"]
     assert got.tokens.dtype == np.int32 and got.tokens.shape == (len(LENGTHS), N)
     np.testing.assert_array_equal(got.tokens, want)
     np.testing.assert_array_equal(got.lengths, lengths)
     np.testing.assert_array_equal(got.finished, finished)
-    assert runs["traces"] == 1  # same shapes, other prompts: no new compilation
+    assert runs["traces"] == 1  # same shapes, other prompts and keys: no new compilation
 
 
 def test_right_padded_prompts_generate_as_left_padded(runs):
     for field in ("tokens", "lengths", "finished"):
-        np.testing.assert_array_equal(getattr(runs["right"], field),
-                                      getattr(runs["left"], field))
+        np.testing.assert_array_equal(getattr(runs["right"]["greedy"], field),
+                                      getattr(runs["left"]["greedy"], field))
 
 
 def test_sampling_is_reproducible_per_key_and_top1_is_greedy(runs):
-    np.testing.assert_array_equal(runs["key1"].tokens, runs["key1_again"].tokens)
-    assert np.mean(runs["key1"].tokens != runs["key2"].tokens) > 0.3
-    assert np.all(runs["key1"].lengths == N) and not runs["key1"].finished.any()
-    for field in ("tokens", "lengths", "finished"):
-        np.testing.assert_array_equal(getattr(runs["top1"], field), getattr(runs["left"], field))
+    key1, again, key2 = (runs[k]["sampled"] for k in ("left", "left_again", "left_key2"))
+    np.testing.assert_array_equal(key1.tokens, again.tokens)
+    assert np.mean(key1.tokens != key2.tokens) > 0.3
+    assert np.all(key1.lengths == N) and not key1.finished.any()
+    for run in ("left", "right"):  # top-1 sampling is greedy whatever the key
+        for field in ("tokens", "lengths", "finished"):
+            np.testing.assert_array_equal(getattr(runs[run]["top1"], field),
+                                          getattr(runs["left"]["greedy"], field))
 
 
 def test_bad_input_gives_clear_errors(model):
-    ids, mask = _prompts()
+    ids, mask = _prompts()  # host arrays: the checks run before any device work
     ok = dict(max_new_tokens=2, pad_id=PAD)
     with pytest.raises(ValueError, match="needs a PRNG key"):
         generate(model, ids, mask, temperature=1.0, **ok)
     with pytest.raises(TypeError, match="integer array"):
-        generate(model, ids.astype(jnp.float32), mask, **ok)
+        generate(model, ids.astype(np.float32), mask, **ok)
     with pytest.raises(ValueError, match="shape of input_ids"):
         generate(model, ids, mask[:, 1:], **ok)
     with pytest.raises(ValueError, match="max_position"):
         generate(model, ids, mask, max_new_tokens=CFG.max_position, pad_id=PAD)
+    empty = mask.copy()
+    empty[1] = 0
     with pytest.raises(ValueError, match=r"rows \[1\] .* no real token"):
-        generate(model, ids, mask.at[1].set(0), **ok)
+        generate(model, ids, empty, **ok)
     with pytest.raises(TypeError, match="tuple"):
         generate(model, ids, mask, stop_tokens=[2], **ok)
     with pytest.raises(ValueError, match="pad_id"):

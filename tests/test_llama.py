@@ -13,23 +13,21 @@ from pavejax.models import LlamaConfig, LlamaLM, causal_mask, positions_from_mas
 TINY = LlamaConfig.tiny()
 
 
-def _randomized(model, seed, scale=0.3):
-    """Every weight re-drawn as N(0, scale^2) and every RMSNorm scale as 1 + N(0, 0.1^2), so that
-    activations are O(1) and every piece of the model shows in the logits."""
-    graphdef, state = nnx.split(model)
+def random_llama(config, seed=0, *, scale=0.3, norm_noise=0.1, param_dtype=jnp.float32):
+    """A LlamaLM of ``config`` whose weights are drawn on the host: kernels and embeddings
+    N(0, scale^2), RMSNorm scales 1 + N(0, norm_noise^2), so that activations are O(1) and every
+    piece of the model shows in the logits. Built from ``nnx.eval_shape``: no random init runs
+    on the device (eagerly, it compiles one program per weight shape, seconds per model)."""
+    abstract = nnx.eval_shape(lambda: LlamaLM(config, rngs=nnx.Rngs(0), param_dtype=param_dtype))
+    graphdef, state = nnx.split(abstract)
     rng = np.random.default_rng(seed)
 
-    def redraw(x):
+    def draw(x):
         noise = rng.standard_normal(x.shape)
-        value = 1.0 + 0.1 * noise if x.ndim == 1 else scale * noise
-        return jnp.asarray(value, x.dtype)
+        value = 1.0 + norm_noise * noise if len(x.shape) == 1 else scale * noise
+        return jnp.asarray(np.asarray(value, x.dtype))
 
-    return nnx.merge(graphdef, jax.tree_util.tree_map(redraw, state))
-
-
-def _model(seed=0, **overrides):
-    cfg = LlamaConfig.tiny(**overrides)
-    return _randomized(LlamaLM(cfg, rngs=nnx.Rngs(seed)), seed)
+    return nnx.merge(graphdef, jax.tree_util.tree_map(draw, state))
 
 
 def _params64(model):
@@ -102,28 +100,34 @@ def _inputs():
         mask[r, left:left + n] = 1
     ids[mask == 0] = rng.integers(0, TINY.vocab_size, int((mask == 0).sum()))  # any pad id
     last = np.array([left + n - 1 for n, left in ROWS])
-    return {"block_h": jnp.asarray(rng.standard_normal((1, 9, TINY.hidden_size)), jnp.float32),
-            "ids": jnp.asarray(ids), "mask": jnp.asarray(mask),
-            "query": jnp.asarray(np.stack([last, last // 2], axis=1), jnp.int32),
-            "rows": jnp.asarray([5, 2], jnp.int32)}
+    return {"block_h": rng.standard_normal((1, 9, TINY.hidden_size)).astype(np.float32),
+            "ids": ids, "mask": mask,
+            "query": np.stack([last, last // 2], axis=1).astype(np.int32),
+            "rows": np.array([5, 2], np.int32)}
 
 
 def _lora_factors(model):
     params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
     targets = model.lora_targets()
-    b, a = init_lora(jax.random.key(7), params, lambda path, _: path in targets, LORA)
+    # init_lora's paths and shapes (eval_shape: no random program to compile), host values
+    b, a = jax.eval_shape(lambda: init_lora(jax.random.key(7), params,
+                                            lambda path, _: path in targets, LORA))
     rng = np.random.default_rng(8)
-    b = {p: jnp.asarray(0.3 * rng.standard_normal(v.shape), jnp.float32) for p, v in b.items()}
-    return b, a
+
+    def draw(x, scale):
+        return jnp.asarray((scale * rng.standard_normal(x.shape)).astype(np.float32))
+
+    return ({p: draw(x, 0.3) for p, x in b.items()},
+            {p: draw(x, 1 / np.sqrt(LORA.rank)) for p, x in a.items()})
 
 
 @pytest.fixture(scope="module")
 def models():
-    tied = _model(seed=2)
-    untied = _model(seed=2, tie_embeddings=False)
-    low = LlamaLM(TINY, rngs=nnx.Rngs(0), param_dtype=jnp.bfloat16)
-    low = nnx.merge(nnx.graphdef(low), jax.tree_util.tree_map(
-        lambda x: x.astype(jnp.bfloat16), nnx.state(tied)))
+    tied = random_llama(TINY, seed=2)
+    untied = random_llama(LlamaConfig.tiny(tie_embeddings=False), seed=2)
+    low = nnx.eval_shape(lambda: LlamaLM(TINY, rngs=nnx.Rngs(0), param_dtype=jnp.bfloat16))
+    low = nnx.merge(nnx.graphdef(low), jax.tree_util.tree_map(  # the same weights, rounded
+        lambda x: jnp.asarray(np.asarray(x).astype(jnp.bfloat16)), nnx.state(tied)))
     return {"tied": tied, "untied": untied, "bf16": low}
 
 
@@ -146,6 +150,7 @@ def out(models):
             "merged": nnx.merge(nnx.graphdef(model), apply_lora(
                 nnx.to_pure_dict(nnx.state(model)), b, a, LORA))(ids, mask),
             "bf16": models["bf16"](ids, mask),
+            "deltas": lora_delta(b, a, LORA),
         }
         h = model.embed_tokens(ids)
         positions, causal = positions_from_mask(mask), causal_mask(mask)
@@ -205,8 +210,8 @@ def test_factored_lora_on_every_target_equals_merged(models, out):
     assert np.max(np.abs(res["tied"] - res["merged"])) > 0.1  # the adapters matter
     # every target's delta is far above the tolerance, so a target the factored path skipped
     # would show in the comparison above
-    deltas = lora_delta(b, a, LORA)
-    assert min(float(np.abs(d).max()) for d in deltas.values()) > 0.1
+    assert set(res["deltas"]) == set(b)
+    assert min(float(np.abs(d).max()) for d in res["deltas"].values()) > 0.1
 
 
 def test_bfloat16_weights_give_float32_logits_close_to_float32(models, out):
@@ -233,21 +238,21 @@ def test_query_index_top_layer_equals_full_forward(out):
 
 def test_bad_input_gives_clear_errors(models):
     model = models["tied"]
-    ids = jnp.ones((2, 5), jnp.int32)
+    ids = np.ones((2, 5), np.int32)  # host arrays: the checks run before any device work
     with pytest.raises(TypeError, match="integer array"):
-        model(ids.astype(jnp.float32))
+        model(ids.astype(np.float32))
     with pytest.raises(ValueError, match="max_position"):
-        model(jnp.zeros((1, TINY.max_position + 1), jnp.int32))
+        model(np.zeros((1, TINY.max_position + 1), np.int32))
     with pytest.raises(ValueError, match="attention_mask must have the shape"):
-        model(ids, jnp.ones((2, 4), jnp.int32))
+        model(ids, np.ones((2, 4), np.int32))
     with pytest.raises(ValueError, match="shape"):
-        model(jnp.zeros((1, 2, 3), jnp.int32))
+        model(np.zeros((1, 2, 3), np.int32))
     with pytest.raises(ValueError, match="num_kv_heads .* must divide num_heads"):
         LlamaConfig.tiny(num_heads=4, num_kv_heads=3)
     with pytest.raises(ValueError, match="head_dim must be even"):
         LlamaConfig.tiny(hidden_size=20, num_heads=4, num_kv_heads=2)
-    h, positions = jnp.zeros((2, 5, TINY.hidden_size)), jnp.zeros((2, 5), jnp.int32)
-    causal = jnp.ones((2, 5, 5), bool)
+    h, positions = np.zeros((2, 5, TINY.hidden_size), np.float32), np.zeros((2, 5), np.int32)
+    causal = np.ones((2, 5, 5), bool)
     with pytest.raises(ValueError, match="start <= stop"):
         model.run_layers(h, positions, causal, start=2, stop=1)
     with pytest.raises(ValueError, match="causal_mask"):
