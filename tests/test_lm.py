@@ -8,7 +8,6 @@ from __future__ import annotations
 import functools
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
@@ -33,13 +32,15 @@ from pavejax.lm import (
     token_loss_fn,
 )
 from pavejax.models.llama import LlamaConfig, LlamaLM
+from tests.test_llama import random_llama
 
 CFG = LlamaConfig.tiny(num_layers=1)  # one block: compilation dominates these tests
+LORA = lora_lib.LoraConfig(2, alpha=4.0)  # one rank in the file: its eager draws compile once
 
 
 @pytest.fixture(scope="module")
 def model():
-    return LlamaLM(CFG, rngs=nnx.Rngs(0))
+    return random_llama(CFG, seed=0)
 
 
 def log_softmax64(logits):
@@ -56,8 +57,9 @@ def _full_logits(graphdef):
     return jax.jit(lambda params, ids: nnx.merge(graphdef, params)(ids))
 
 
-def unpadded_logprobs(model, tokens):
-    """log p(x_t | x_<t) for t = 1.. of one unpadded sequence, float64 (len - 1,).
+def unpadded_log_softmax(model, tokens):
+    """Next-token log-probabilities after each token of one unpadded sequence, float64
+    (len, vocab).
 
     The sequence is followed by filler tokens under an all-ones mask (no padding logic): a
     causal model's logits at the sequence's own positions do not depend on what follows."""
@@ -65,8 +67,24 @@ def unpadded_logprobs(model, tokens):
     ids = np.full((1, REF_LEN), 1, np.int32)
     ids[0, :len(tokens)] = tokens
     logits = np.asarray(_full_logits(graphdef)(nnx.to_pure_dict(state), ids)[0])
-    lsm = log_softmax64(logits)
+    return log_softmax64(logits)[:len(tokens)]
+
+
+def unpadded_logprobs(model, tokens):
+    """log p(x_t | x_<t) for t = 1.. of one unpadded sequence, float64 (len - 1,)."""
+    lsm = unpadded_log_softmax(model, tokens)
     return np.array([lsm[t - 1, tokens[t]] for t in range(1, len(tokens))])
+
+
+def greedy_continuation(model, prompt, max_new_tokens, stop):
+    """Greedy decoding of one unpadded prompt by full re-computation: the argmax after the last
+    token is appended, up to ``max_new_tokens`` tokens or the first ``stop`` (kept)."""
+    seq = list(prompt)
+    for _ in range(max_new_tokens):
+        seq.append(int(np.argmax(unpadded_log_softmax(model, seq)[-1])))
+        if seq[-1] == stop:
+            break
+    return seq[len(prompt):]
 
 
 def padded(rows, length, side):
@@ -145,21 +163,26 @@ def test_candidate_scores_equal_a_per_candidate_computation(model):
         candidate_examples(batch, labels[:2])
 
 
-def test_lora_factored_equals_merged_on_the_token_loss(model, getkey):
-    split, B, frozen = split_lora(model, getkey(), lora_lib.LoraConfig(2, alpha=4.0),
+def test_lora_factored_equals_merged_on_the_token_loss(model):
+    split, B, frozen = split_lora(model, jax.random.key(3), LORA,
                                   targets=("q", "k", "v", "o", "gate", "up", "down"))
-    assert split.kind == "lora" and set(B) == set(model.lora_targets())
-    B = {p: 0.3 * jax.random.normal(getkey(), b.shape) for p, b in B.items()}
+    assert isinstance(split, LMSplit) and split.kind == "lora"
+    assert set(B) == set(model.lora_targets())
+    rng = np.random.default_rng(4)
+    B = {p: (0.3 * rng.standard_normal(b.shape)).astype(np.float32) for p, b in B.items()}
     ids, mask = padded([[5, 9, 2, 44, 17, 3], [8, 8, 31, 62]], 7, "left")
-    ex = {"input_ids": jnp.asarray(ids[1]), "attention_mask": jnp.asarray(mask[1])}
+    ex = {"input_ids": ids[1], "attention_mask": mask[1]}
     loss_fn = token_loss_fn(split)
-    factored, g_f = jax.jit(jax.value_and_grad(loss_fn))(B, frozen, ex)
 
     def merged_loss(b):  # through pavejax.lora.apply_lora on the weights
         m = split.merged(b, frozen)
         return token_loss(m, ids[1:], mask[1:])[0]
 
-    merged, g_m = jax.jit(jax.value_and_grad(merged_loss))(B)
+    @jax.jit  # one program for both forms
+    def both(b, frozen, ex):
+        return jax.value_and_grad(loss_fn)(b, frozen, ex), jax.value_and_grad(merged_loss)(b)
+
+    (factored, g_f), (merged, g_m) = both(B, frozen, ex)
     np.testing.assert_allclose(factored, merged, rtol=1e-5)
     for p in B:
         np.testing.assert_allclose(g_f[p], g_m[p], rtol=1e-4, atol=1e-6)
@@ -175,25 +198,28 @@ def test_full_weight_split_rebuilds_the_model_and_trains_only_its_subset(model):
     assert split.kind == "full" and all(p.startswith("layers/0/mlp/") for p in tr)
     assert not set(tr) & set(fr["params"])
     ids, mask = padded([[5, 9, 2, 44, 17, 3]], 6, "right")
-    ex = {"input_ids": jnp.asarray(ids[0]), "attention_mask": jnp.asarray(mask[0])}
+    ex = {"input_ids": ids[0], "attention_mask": mask[0]}
     value_and_grad = jax.jit(jax.value_and_grad(token_loss_fn(split)))
     loss, grads = value_and_grad(tr, fr, ex)
+    grads = {p: np.asarray(g, np.float64) for p, g in grads.items()}
     np.testing.assert_allclose(loss, -unpadded_logprobs(model, list(ids[0])).mean(), rtol=1e-5)
-    assert set(grads) == set(tr) and all(float(jnp.abs(g).max()) > 0 for g in grads.values())
-    # the gradient against a central difference of the loss along a random direction
-    d = {p: jax.random.normal(jax.random.key(i), x.shape) for i, (p, x) in enumerate(tr.items())}
+    assert set(grads) == set(tr) and all(np.abs(g).max() > 0 for g in grads.values())
+    # the gradient against a central difference of the loss along a random direction (the
+    # points on the host: the same compiled program evaluates them)
+    rng = np.random.default_rng(5)
+    d = {p: rng.standard_normal(x.shape) for p, x in tr.items()}
     h = 1e-3
-    up = value_and_grad({p: tr[p] + h * d[p] for p in tr}, fr, ex)[0]
-    down = value_and_grad({p: tr[p] - h * d[p] for p in tr}, fr, ex)[0]
-    slope = sum(float(jnp.sum(grads[p] * d[p])) for p in tr)
+    up, down = (value_and_grad({p: (np.asarray(tr[p], np.float64) + s * h * d[p]).astype(
+        np.float32) for p in tr}, fr, ex)[0] for s in (1, -1))
+    slope = sum(float(np.sum(grads[p] * d[p])) for p in tr)
     np.testing.assert_allclose((float(up) - float(down)) / (2 * h), slope, rtol=1e-2)
     with pytest.raises(ValueError, match="selected none"):
         split_full(model, lambda p, _: False)
 
 
-def test_lora_predicate_selects_targets_and_layers_and_refuses_unknown_names(model):
-    two = LlamaLM(LlamaConfig.tiny(num_layers=2), rngs=nnx.Rngs(0))
-    params = nnx.to_pure_dict(nnx.split(two)[1])
+def test_lora_predicate_selects_targets_and_layers_and_refuses_unknown_names():
+    two = nnx.eval_shape(lambda: LlamaLM(LlamaConfig.tiny(num_layers=2), rngs=nnx.Rngs(0)))
+    params = nnx.to_pure_dict(nnx.split(two)[1])  # paths and shapes are all it needs
     chosen = lora_lib.select_paths(params, lora_predicate(("v", "down"), layers=[1]))
     assert chosen == ("layers/1/attn/v/kernel", "layers/1/mlp/down/kernel")
     assert len(lora_lib.select_paths(params, lora_predicate())) == 4
@@ -203,51 +229,49 @@ def test_lora_predicate_selects_targets_and_layers_and_refuses_unknown_names(mod
         lora_predicate(layers=[-1])
     with pytest.raises(TypeError, match="LlamaLM"):
         split_full(object(), lambda p, _: True)
-    assert isinstance(split_lora(model, jax.random.key(0))[0], LMSplit)
 
 
 # --- -F1 of greedy generations -----------------------------------------------------------------
 
-NEWLINE = 3
-
-
-def fake_decode(ids):
-    """A tiny word-level tokenizer: id 3 is a line break, others are words 'w<id>'."""
-    return " ".join("\n" if i == NEWLINE else f"w{i}" for i in ids).replace(" \n ", "\n")
+def word_decoder(newline):
+    """A tiny word-level tokenizer: id ``newline`` is a line break, others are words 'w<id>'."""
+    return lambda ids: " ".join("\n" if i == newline else f"w{i}" for i in ids).replace(
+        " \n ", "\n")
 
 
 def test_generation_f1_loss_equals_a_host_recomputation(model):
     from pavejax.data.squad import answer_text, squad_f1
-    from pavejax.models.generate import generate
 
     rng = np.random.default_rng(2)
     rows = [list(rng.integers(4, CFG.vocab_size, n)) for n in (5, 7, 3, 6)]
     ids, mask = padded(rows, 8, "left")
-    split, B, frozen = split_lora(model, jax.random.key(3))
-    table = AnswerTable([["?"]] * 4, fake_decode)  # answers are filled in below
-    loss_fn = generation_f1_loss_fn(split, table, max_new_tokens=4, pad_id=0,
-                                    stop_tokens=(NEWLINE,))
-
-    @jax.jit
-    def run(i, m, e, pool):  # one compilation: the reference generation and both loss forms
-        gen = generate(model, i, m, max_new_tokens=4, stop_tokens=(NEWLINE,), pad_id=0)
-        batched = generation_f1_losses(model, i, m, e, table, max_new_tokens=4, pad_id=0,
-                                       stop_tokens=(NEWLINE,))
-        return gen, batched, jax.vmap(lambda ex: loss_fn(B, frozen, ex))(pool)
-
-    eids = jnp.arange(4, dtype=jnp.int32)
-    pool = {"input_ids": jnp.asarray(ids), "attention_mask": jnp.asarray(mask),
-            "example_id": eids.at[2].set(-1)}  # a padding row (id -1) scores 0
-    gen = run(ids, mask, eids, pool)[0]
-    texts = [answer_text(fake_decode(list(np.asarray(gen.tokens[i, :int(gen.lengths[i])]))))
-             for i in range(4)]
+    split, B, frozen = split_lora(model, jax.random.key(3), LORA)
+    # The line break is the third token row 0 generates, so that row stops early and its text
+    # is cut there. The reference: greedy continuations of the unpadded prompts, recomputed in
+    # full.
+    newline = greedy_continuation(model, rows[0], 3, stop=None)[-1]
+    decode = word_decoder(newline)
+    texts = [answer_text(decode(greedy_continuation(model, r, 4, newline))) for r in rows]
     words = [t.split() for t in texts]
+    assert len(words[0]) <= 2 and len(words[1]) >= 1
     answers = [[texts[0]],                                   # exact: F1 = 1
                [" ".join(words[1][:1] + ["zz"]), "nothing"],  # one word shared
                ["unrelated words"],                          # F1 = 0
                [texts[3], "other"]]
-    table.answers = tuple(tuple(a) for a in answers)  # the host table is read at run time
-    _, losses, per = run(ids, mask, eids, pool)
+    table = AnswerTable(answers, decode)
+    loss_fn = generation_f1_loss_fn(split, table, max_new_tokens=4, pad_id=0,
+                                    stop_tokens=(newline,))
+
+    @jax.jit
+    def run(i, m, e, pool):  # one compilation: both loss forms
+        batched = generation_f1_losses(model, i, m, e, table, max_new_tokens=4, pad_id=0,
+                                       stop_tokens=(newline,))
+        return batched, jax.vmap(lambda ex: loss_fn(B, frozen, ex))(pool)
+
+    eids = np.arange(4, dtype=np.int32)
+    pool = {"input_ids": ids, "attention_mask": mask,
+            "example_id": np.where(eids == 2, -1, eids).astype(np.int32)}  # id -1: scores 0
+    losses, per = run(ids, mask, eids, pool)
     ref = np.array([-squad_f1(t, a) for t, a in zip(texts, answers, strict=True)])
     np.testing.assert_allclose(losses, ref, rtol=1e-6)
     assert np.all((ref >= -1) & (ref <= 0)) and ref[0] == -1.0 and ref[2] == 0.0
@@ -256,4 +280,4 @@ def test_generation_f1_loss_equals_a_host_recomputation(model):
     with pytest.raises(Exception, match="past the answer table"):
         jax.block_until_ready(run(ids, mask, eids + 10, pool))
     with pytest.raises(ValueError, match="non-empty sequence of strings"):
-        AnswerTable([["a"], "b"], fake_decode)
+        AnswerTable([["a"], "b"], decode)
