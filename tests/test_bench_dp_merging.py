@@ -167,8 +167,10 @@ def test_fresh_mode_draws_its_own_ascent_batch_and_keeps_the_descent_pairing(ben
         return jax.tree.leaves(
             bench.train_private(model, mode, dataclasses.replace(s, rho=rho), *inputs))
 
+    # Equal up to float rounding (two compiled programs may order sums differently; measured
+    # up to 8e-7 absolute on these weights of order 0.1).
     for a, b in zip(jax.tree.leaves(params), train_mode("fresh", 0.0), strict=True):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=2e-6)
     same, fresh = train_mode("same", 0.5), train_mode("fresh", 0.5)
     assert all(bool(jnp.all(jnp.isfinite(x))) for x in fresh)
     assert max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(same, fresh, strict=True)) > 1e-4
