@@ -39,7 +39,7 @@ def lora(model):
     rng = np.random.default_rng(5)
 
     def draw(x, scale):
-        return jnp.asarray((scale * rng.standard_normal(x.shape)).astype(np.float32))
+        return jax.device_put((scale * rng.standard_normal(x.shape)).astype(np.float32))
 
     return LoraAdapters({p: draw(x, 0.3) for p, x in b.items()},
                         {p: draw(x, 1 / np.sqrt(config.rank)) for p, x in a.items()}, config)

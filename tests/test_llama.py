@@ -25,7 +25,7 @@ def random_llama(config, seed=0, *, scale=0.3, norm_noise=0.1, param_dtype=jnp.f
     def draw(x):
         noise = rng.standard_normal(x.shape)
         value = 1.0 + norm_noise * noise if len(x.shape) == 1 else scale * noise
-        return jnp.asarray(np.asarray(value, x.dtype))
+        return jax.device_put(np.asarray(value, x.dtype))  # jnp.asarray would compile a copy
 
     return nnx.merge(graphdef, jax.tree_util.tree_map(draw, state))
 
@@ -115,7 +115,7 @@ def _lora_factors(model):
     rng = np.random.default_rng(8)
 
     def draw(x, scale):
-        return jnp.asarray((scale * rng.standard_normal(x.shape)).astype(np.float32))
+        return jax.device_put((scale * rng.standard_normal(x.shape)).astype(np.float32))
 
     return ({p: draw(x, 0.3) for p, x in b.items()},
             {p: draw(x, 1 / np.sqrt(LORA.rank)) for p, x in a.items()})
@@ -127,7 +127,7 @@ def models():
     untied = random_llama(LlamaConfig.tiny(tie_embeddings=False), seed=2)
     low = nnx.eval_shape(lambda: LlamaLM(TINY, rngs=nnx.Rngs(0), param_dtype=jnp.bfloat16))
     low = nnx.merge(nnx.graphdef(low), jax.tree_util.tree_map(  # the same weights, rounded
-        lambda x: jnp.asarray(np.asarray(x).astype(jnp.bfloat16)), nnx.state(tied)))
+        lambda x: jax.device_put(np.asarray(x).astype(jnp.bfloat16)), nnx.state(tied)))
     return {"tied": tied, "untied": untied, "bf16": low}
 
 

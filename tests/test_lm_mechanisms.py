@@ -1,16 +1,18 @@
 """Every mechanism on a causal LM: per-example DP gradients (clipped sum, private gradient,
 DP-SAM) against per-example loops of jax.grad with padding; MeZO, DP-ZO, PACZero-ZPL and -MI
 steps on the prompted candidate loss and on -F1 of greedy generations (ZPL never reads the
-secret); LM specs in a dock that identifies the matching LM learnware."""
+secret); LM specs in a dock that identifies the matching LM learnware.
+
+Compiling and tracing dominate: the model's weights are drawn on the host, one LoRA rank and one
+pool size serve every test (split_lora's eager draws and the membership matrix compile once),
+and the zeroth-order mechanisms share one compiled step."""
 
 from __future__ import annotations
 
 import functools
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 from flax import nnx
 
@@ -19,10 +21,8 @@ from pavejax.lm import (
     AnswerTable,
     LMSpecBackbone,
     candidate_examples,
-    candidate_loss,
     candidate_loss_fn,
     candidate_predict,
-    candidate_scores,
     generation_f1_loss_fn,
     lora_predicate,
     score_candidates,
@@ -32,20 +32,24 @@ from pavejax.lm import (
 )
 from pavejax.lora import LoraConfig
 from pavejax.merging.train import MergeTrainConfig, SamBatch, init_state, make_step
-from pavejax.models.llama import LlamaConfig, LlamaLM
-from pavejax.optim import promotion_safe
+from pavejax.models.llama import LlamaConfig
 from pavejax.pave.dock import Dock
 from pavejax.pave.spec import SpecConfig
 from pavejax.privacy import DPConfig, SamplingConfig, private_gradient
+from tests.test_llama import random_llama
 
 CFG = LlamaConfig.tiny(num_layers=1)
 T = 8
 GREAT, TERRIBLE = 6, 5  # candidate token ids (label 1, label 0)
+LORA = LoraConfig(2)
+POOL = 16  # the ZO pools' size
 
 
 @pytest.fixture(scope="module")
 def model():
-    return LlamaLM(CFG, rngs=nnx.Rngs(0))
+    """LlamaLM's own initial distribution (weights N(0, 0.02^2), unit norm scales), drawn on
+    the host."""
+    return random_llama(CFG, seed=0, scale=0.02, norm_noise=0.0)
 
 
 def prompts(seed, n, length=5):
@@ -77,6 +81,7 @@ def jitted_grad(loss_fn):
 
 def per_example_grads(loss_fn, trainable, frozen, data):
     g = jitted_grad(loss_fn)
+    data = jax.device_get(data)  # host slicing: no eager program per example
     n = jax.tree.leaves(data)[0].shape[0]
     return [g(trainable, frozen, jax.tree.map(lambda x, i=i: x[i], data)) for i in range(n)]
 
@@ -88,10 +93,10 @@ def flat(tree):
 # --- per-example DP gradients -------------------------------------------------------------------
 
 
-def test_private_gradient_of_the_token_loss_equals_a_per_example_loop(model, getkey):
-    split, B, frozen = split_lora(model, getkey(), LoraConfig(2), targets=("q", "v", "down"))
-    B = {p: 0.1 * jax.random.normal(getkey(), b.shape) for p, b in B.items()}
+def test_private_gradient_of_the_token_loss_equals_a_per_example_loop(model):
+    split, B, frozen = split_lora(model, jax.random.key(0), LORA, targets=("q", "v", "down"))
     rng = np.random.default_rng(0)
+    B = {p: (0.1 * rng.standard_normal(b.shape)).astype(np.float32) for p, b in B.items()}
     ids = rng.integers(3, CFG.vocab_size, (6, T)).astype(np.int32)
     mask = np.ones_like(ids)
     mask[1, :3] = 0   # left padded
@@ -106,8 +111,11 @@ def test_private_gradient_of_the_token_loss_equals_a_per_example_loop(model, get
     expected = np.mean([flat(g) * min(1.0, clip / nrm) for g, nrm in zip(grads, norms)], axis=0)
     # every example, noise 0: the mean of the clipped per-example gradients
     cfg = DPConfig(clip, 0.0, SamplingConfig("full", 6))
-    grad, info = jax.jit(lambda t, f, d, k: private_gradient(loss_fn, t, f, d, k, cfg))(
-        B, frozen, data, jax.random.key(0))
+    @jax.jit
+    def dp_gradient(trainable, frozen, data, key):
+        return private_gradient(loss_fn, trainable, frozen, data, key, cfg)
+
+    grad, info = dp_gradient(B, frozen, data, jax.random.key(0))
     np.testing.assert_allclose(flat(grad), expected, rtol=1e-4, atol=1e-7)
     np.testing.assert_allclose(info.norms, norms, rtol=1e-4)
     assert int(info.num_clipped) == int(np.sum(norms > clip)) > 0
@@ -140,7 +148,7 @@ def test_dp_sam_step_on_the_candidate_loss_equals_a_per_example_loop(model):
     leaves, treedef = jax.tree.flatten(tr)
     sizes = np.cumsum([0] + [x.size for x in leaves])
     shifted = jax.tree.unflatten(treedef, [
-        jnp.asarray((w0 + e)[sizes[i]:sizes[i + 1]].reshape(x.shape), jnp.float32)
+        (w0 + e)[sizes[i]:sizes[i + 1]].reshape(x.shape).astype(np.float32)
         for i, x in enumerate(leaves)])
     np.testing.assert_allclose(flat(state.params), w0 - lr * clipped_mean(shifted), rtol=1e-5,
                                atol=1e-6)
@@ -149,132 +157,115 @@ def test_dp_sam_step_on_the_candidate_loss_equals_a_per_example_loop(model):
 # --- zeroth order: MeZO, DP-ZO, PACZero -------------------------------------------------------
 
 
+ZPL = paczero.ZOConfig("zpl", steps=2, learning_rate=0.5, num_subsets=4, l2_clip=5.0)
+MEZO = paczero.ZOConfig("mezo", steps=2, learning_rate=0.05, l2_clip=5.0)
+DPZO = paczero.ZOConfig("dpzo", steps=2, learning_rate=0.5, l2_clip=5.0, target_epsilon=6.0,
+                        dp_batch_size=8)
+MI = paczero.ZOConfig("mi", steps=2, learning_rate=0.5, num_subsets=4, l2_clip=5.0,
+                      mi_budget=0.33)
+
+
 @pytest.fixture(scope="module")
-def zo_problem(model):
-    split, B, frozen = split_lora(model, jax.random.key(5), LoraConfig(2), targets=("q", "v"))
-    p, has7, _ = prompts(1, 16)
+def zo_runs(model):
+    """Two steps of each zeroth-order mechanism on the prompted candidate loss, one compiled
+    program for a step of all of them: ZPL on LoRA, MeZO on the full weights of the MLP (a
+    selected subset of the weights is the trainable), DP-ZO on LoRA and PACZero-MI's device
+    phase on LoRA (its host release and its update run between the calls). ZPL runs three
+    times (secret 0; the same coins with secret 3; other coins): the calls of the two other
+    runs recompute the other mechanisms' steps and drop them."""
+    lora_split, B, lora_frozen = split_lora(model, jax.random.key(5), LORA, targets=("q", "v"))
+    full_split, tr, full_frozen = split_full(model, lambda p, _: "/mlp/" in p)
+    p, has7, _ = prompts(1, POOL)
     pool = candidate_examples(candidate_pool(p), has7.astype(np.int32))
-    return split, B, frozen, pool
+    lora_loss, full_loss = candidate_loss_fn(lora_split), candidate_loss_fn(full_split)
+
+    def init(cfg, params, key):
+        return paczero.init(cfg, params, POOL, key=jax.random.key(key),
+                            public_key=jax.random.key(100))
+
+    zpl = [init(ZPL, B, 1)._replace(secret=jax.device_put(np.int32(0))),
+           init(ZPL, B, 1)._replace(secret=jax.device_put(np.int32(3))), init(ZPL, B, 2)]
+    mezo, dpzo, mi = init(MEZO, tr, 1), init(DPZO, B, 1), init(MI, B, 1)
+
+    @jax.jit
+    def zo_step(zpl, mezo, dpzo, mi, pool, lora_frozen, full_frozen):
+        return (paczero.step(ZPL, lora_loss, zpl, pool, paczero.step_key(zpl),
+                             frozen=lora_frozen)[0],
+                paczero.step(MEZO, full_loss, mezo, pool, paczero.step_key(mezo),
+                             frozen=full_frozen)[::2],
+                paczero.step(DPZO, lora_loss, dpzo, pool, paczero.step_key(dpzo),
+                             frozen=lora_frozen, noise_multiplier=1.0)[::2],
+                paczero.mi_device_phase(MI, lora_loss, mi, pool, paczero.step_key(mi),
+                                        frozen=lora_frozen))
+
+    # jitted (the update regenerates the directions: eagerly, many small programs to compile)
+    mi_apply = jax.jit(lambda s, values, unanimous: paczero.mi_apply(
+        MI, s, paczero.MIRelease(values, unanimous, None, None)))
+    host, mi_used = paczero.mi_init_host(MI.num_subsets), 0.0
+    for _ in range(2):
+        out = [zo_step(z, mezo, dpzo, mi, pool, lora_frozen, full_frozen) for z in zpl]
+        zpl = [o[0] for o in out]
+        (mezo, mezo_stats), (dpzo, dpzo_stats), signals = out[0][1:]
+        host, release, nats = paczero.mi_host_release(MI, host, signals)
+        mi = mi_apply(mi, release.values, release.unanimous)
+        mi_used += nats
+    return {"zpl": zpl, "mezo": (tr, mezo, mezo_stats), "dpzo": (dpzo, dpzo_stats),
+            "mi": (mi, mi_used)}
 
 
-_STEPS = {}
+def moved(trainable):
+    return max(np.abs(np.asarray(b)).max() for b in trainable.values()) > 0
 
 
-def zo_step(cfg, split, noise=None):
-    """One jitted step per (config, split): runs of one config share their compilation."""
-    if (cfg, split, noise) not in _STEPS:
-        loss_fn = candidate_loss_fn(split)
-        _STEPS[cfg, split, noise] = jax.jit(lambda s, pool, frozen: paczero.step(
-            cfg, loss_fn, s, pool, paczero.step_key(s), frozen=frozen,
-            noise_multiplier=noise)[::2])
-    return _STEPS[cfg, split, noise]
-
-
-def zo_run(cfg, problem, secret_key, steps, *, secret=None, noise=None):
-    split, B, frozen, pool = problem
-    state = paczero.init(cfg, B, 16, key=secret_key, public_key=jax.random.key(100))
-    if secret is not None:
-        state = state._replace(secret=jnp.asarray(secret, jnp.int32))
-    step = zo_step(cfg, split, noise)
-    for _ in range(steps):
-        state, stats = step(state, pool, frozen)
-    return state, stats
-
-
-def moved(state):
-    return max(float(jnp.abs(b).max()) for b in state.trainable.values()) > 0
-
-
-def test_zpl_moves_lora_and_never_reads_the_secret(zo_problem):
-    cfg = paczero.ZOConfig("zpl", steps=3, learning_rate=0.5, num_subsets=4, l2_clip=5.0)
-    a, _ = zo_run(cfg, zo_problem, jax.random.key(1), 3, secret=0)
-    b, _ = zo_run(cfg, zo_problem, jax.random.key(1), 3, secret=3)
-    assert moved(a) and int(a.releases) == 3
+def test_zpl_moves_lora_and_never_reads_the_secret(zo_runs):
+    a, b, c = zo_runs["zpl"]
+    assert moved(a.trainable) and int(a.releases) == 2
     for p in a.trainable:
         np.testing.assert_array_equal(a.trainable[p], b.trainable[p])
-    c, _ = zo_run(cfg, zo_problem, jax.random.key(2), 3)  # other coins, another trajectory
-    assert int(a.unanimous) == 3 or any(
+    # other coins, another trajectory
+    assert int(a.unanimous) == 2 or any(
         not np.array_equal(a.trainable[p], c.trainable[p]) for p in a.trainable)
 
 
-def test_mezo_on_full_weights_and_dpzo_on_lora_move_their_params(model, zo_problem):
-    # MeZO on the full weights of the MLP (a selected subset of the weights is the trainable)
-    split, tr, frozen = split_full(model, lambda p, _: "/mlp/" in p)
-    mezo = paczero.ZOConfig("mezo", steps=2, learning_rate=0.05, l2_clip=5.0)
-    s, stats = zo_run(mezo, (split, tr, frozen, zo_problem[3]), jax.random.key(1), 2)
-    assert np.isfinite(np.asarray(stats["release"])).all() and float(stats["release"][0]) != 0
-    assert all(not np.array_equal(s.trainable[p], tr[p]) for p in tr)
-    dpzo = paczero.ZOConfig("dpzo", steps=2, learning_rate=0.5, l2_clip=5.0, target_epsilon=6.0,
-                            dp_batch_size=8)
-    s, stats = zo_run(dpzo, zo_problem, jax.random.key(1), 2, noise=1.0)
-    assert moved(s) and not bool(stats["overflow"])
+def test_mezo_on_full_weights_and_dpzo_on_lora_move_their_params(zo_runs):
+    tr, mezo, stats = zo_runs["mezo"]
+    release = np.asarray(stats["release"])
+    assert np.isfinite(release).all() and release[0] != 0
+    assert all(not np.array_equal(mezo.trainable[p], tr[p]) for p in tr)
+    dpzo, stats = zo_runs["dpzo"]
+    assert moved(dpzo.trainable) and not bool(stats["overflow"])
 
 
-def test_mi_two_phases_move_lora_within_budget(zo_problem):
-    split, B, frozen, pool = zo_problem
-    cfg = paczero.ZOConfig("mi", steps=2, learning_rate=0.5, num_subsets=4, l2_clip=5.0,
-                           mi_budget=0.33)
-    state = paczero.init(cfg, B, 16, key=jax.random.key(1), public_key=jax.random.key(100))
-    host = paczero.mi_init_host(cfg.num_subsets)
-    loss_fn = candidate_loss_fn(split)
-    phase = jax.jit(lambda s: paczero.mi_device_phase(cfg, loss_fn, s, pool,
-                                                      paczero.step_key(s), frozen=frozen))
-    used = 0.0
-    for _ in range(2):
-        host, release, nats = paczero.mi_host_release(cfg, host, phase(state))
-        state = paczero.mi_apply(cfg, state, release)
-        used += nats
-    assert moved(state) and 0.0 <= used <= 0.33 + 1e-12
+def test_mi_two_phases_move_lora_within_budget(zo_runs):
+    state, used = zo_runs["mi"]
+    assert int(state.step) == 2 and moved(state.trainable) and 0.0 <= used <= 0.33 + 1e-12
 
 
 def test_zpl_step_on_minus_f1_of_greedy_generations(model):
-    split, B, frozen = split_lora(model, jax.random.key(6), LoraConfig(2), targets=("down",))
+    split, B, frozen = split_lora(model, jax.random.key(6), LORA, targets=("down",))
     rng = np.random.default_rng(3)
-    ids = rng.integers(4, CFG.vocab_size, (8, 6)).astype(np.int32)
+    ids = rng.integers(4, CFG.vocab_size, (POOL, 6)).astype(np.int32)
     mask = np.ones_like(ids)
     mask[::2, :2] = 0  # left padding
-    table = AnswerTable([[f"w{i + 10}"] for i in range(8)],
+    table = AnswerTable([[f"w{i + 10}"] for i in range(POOL)],
                         lambda toks: " ".join(f"w{t}" for t in toks))
     loss_fn = generation_f1_loss_fn(split, table, max_new_tokens=3, pad_id=0, stop_tokens=(3,))
-    pool = {"input_ids": ids, "attention_mask": mask, "example_id": np.arange(8, dtype=np.int32)}
+    pool = {"input_ids": ids, "attention_mask": mask,
+            "example_id": np.arange(POOL, dtype=np.int32)}
     cfg = paczero.ZOConfig("zpl", steps=2, learning_rate=0.1, num_subsets=4,
                            perturbation_scale=0.5, microbatch_size=4)
-    state = paczero.init(cfg, B, 8, key=jax.random.key(1), public_key=jax.random.key(2))
-    step = jax.jit(lambda s: paczero.step(cfg, loss_fn, s, pool, paczero.step_key(s),
-                                          frozen=frozen)[::2])
-    state, stats = step(state)
+    state = paczero.init(cfg, B, POOL, key=jax.random.key(1), public_key=jax.random.key(2))
+    @jax.jit
+    def f1_step(state):
+        return paczero.step(cfg, loss_fn, state, pool, paczero.step_key(state),
+                            frozen=frozen)[::2]
+
+    state, stats = f1_step(state)
     assert int(state.step) == 1 and np.isfinite(np.asarray(stats["release"])).all()
-    assert max(float(jnp.abs(b).max()) for b in state.trainable.values()) > 0
+    assert moved(state.trainable)
 
 
 # --- PAVE specs of an LM and a dock of LM learnwares --------------------------------------------
-
-
-@functools.cache
-def developer_update(split):
-    """One jitted Adam step of a developer's full-weight fine-tuning (shared by developers)."""
-    opt = promotion_safe(optax.adam(3e-2))
-
-    def mean_loss(t, frozen, d):
-        m, _ = split.model(t, frozen)
-        return jnp.mean(candidate_loss(candidate_scores(m, d), d["label"]))
-
-    @jax.jit
-    def update(t, s, frozen, d):
-        u, s = opt.update(jax.grad(mean_loss)(t, frozen, d), s, t)
-        return optax.apply_updates(t, u), s
-
-    return opt, update
-
-
-def train_developer(model, pool, steps=20):
-    """A developer's LM: every weight fine-tuned with Adam on its task's candidate loss."""
-    split, tr, frozen = split_full(model, lambda p, _: True)
-    opt, update = developer_update(split)
-    state = opt.init(tr)
-    for _ in range(steps):
-        tr, state = update(tr, state, frozen, pool)
-    return split.merged(tr, frozen)
 
 
 # Two prompted tasks on the prompt's last token (ids 10..17, each equally often, so both tasks
@@ -291,6 +282,21 @@ def keyed_task(seed, n):
                                for k, v in POSITIVE.items()}
 
 
+def developer(model, task, strength=10.0):
+    """A developer's LM for ``task``: the backbone with the task written into its weights, each
+    key token's embedding moved by +-strength (e[great] - e[terrible]) (its sign the token's
+    label). The embedding is tied to the output layer, so after the last prompt token the
+    residual stream points to " great" or " terrible". A stand-in for fine-tuning (which costs
+    a compiled training program): the dock only ever sees the developer LM's predictions."""
+    params = nnx.to_pure_dict(nnx.state(model))
+    emb = np.array(params["embed"]["embedding"], np.float64)
+    direction = emb[GREAT] - emb[TERRIBLE]
+    for k in KEY_TOKENS:
+        emb[k] += (strength if k in POSITIVE[task] else -strength) * direction
+    params["embed"]["embedding"] = jax.device_put(emb.astype(np.float32))
+    return nnx.merge(nnx.graphdef(model), params)
+
+
 def test_dock_identifies_the_lm_learnware_of_the_users_task(model, tmp_path):
     batch, labels = keyed_task(10, 32)
     bb = LMSpecBackbone(model, "tiny-llama", targets=("v", "down"))
@@ -299,7 +305,7 @@ def test_dock_identifies_the_lm_learnware_of_the_users_task(model, tmp_path):
     key = jax.random.key(0)  # the A key every party uses (fixed: a deterministic test)
     with Dock.create(tmp_path / "dock") as dock:
         for task in POSITIVE:
-            dev = train_developer(model, candidate_examples(batch, labels[task]))
+            dev = developer(model, task)
             scores = score_candidates(dev, batch)  # the developer LM's own predictions
             assert np.mean(np.asarray(candidate_predict(scores)) == labels[task]) > 0.9
             spec = bb.model_spec(batch, scores, key, cfg).spec
