@@ -74,6 +74,32 @@ def interleaved_medians(fns: dict[str, Callable[[], Any]], *, repeats: int,
     return {k: statistics.median(v) for k, v in times.items()}
 
 
+def compiled_bytes(compiled) -> int:
+    """Bytes a compiled XLA program holds: arguments + temporaries + outputs, less the donated
+    buffers it aliases (XLA's buffer assignment)."""
+    m = compiled.memory_analysis()
+    total = m.argument_size_in_bytes + m.temp_size_in_bytes + m.output_size_in_bytes
+    return int(total - m.alias_size_in_bytes)
+
+
+def paired_ratio(first: Callable[[], Any], second: Callable[[], Any], repeats: int
+                 ) -> tuple[float, float]:
+    """Median over ``repeats`` adjacent (first, second) pairs of first time / second time, in
+    wall time and in process CPU time (all threads; other jobs on a shared machine stretch wall
+    time but not CPU time). One warm-up call of each first; both must block until done."""
+    first(), second()
+    wall, cpu = [], []
+    for _ in range(repeats):
+        samples = []
+        for fn in (first, second):
+            w, c = time.perf_counter(), time.process_time()
+            fn()
+            samples.append((time.perf_counter() - w, time.process_time() - c))
+        wall.append(samples[0][0] / samples[1][0])
+        cpu.append(samples[0][1] / samples[1][1])
+    return statistics.median(wall), statistics.median(cpu)
+
+
 def markdown_table(rows: list[dict[str, Any]]) -> str:
     if not rows:
         return "(no rows)"

@@ -260,34 +260,6 @@ def _run_cell(mode, name, kind, extra, loss, trainable, frozen, pool, dev_loss, 
             "seconds": time.perf_counter() - t0}
 
 
-def _bytes(compiled):
-    m = compiled.memory_analysis()
-    total = m.argument_size_in_bytes + m.temp_size_in_bytes + m.output_size_in_bytes
-    return int(total - m.alias_size_in_bytes)
-
-
-def _tree_bytes(tree):
-    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
-
-
-def _paired_ratio(step, forward, repeats):
-    """Median over ``repeats`` adjacent (step, forward) pairs of step time / forward time.
-
-    Wall time and process CPU time (all threads) are both reported: a shared machine's other
-    jobs slow both calls of a pair alike, and stretch wall time but not CPU time."""
-    step(), forward()  # warm-up (compilation, allocator)
-    wall, cpu = [], []
-    for _ in range(repeats):
-        samples = []
-        for fn in (step, forward):
-            w, c = time.perf_counter(), time.process_time()
-            fn()
-            samples.append((time.perf_counter() - w, time.process_time() - c))
-        wall.append(samples[0][0] / samples[1][0])
-        cpu.append(samples[0][1] / samples[1][1])
-    return float(np.median(wall)), float(np.median(cpu))
-
-
 def _cost(loss, trainable, frozen, batch, repeats, microbatch):
     """(step / forward wall time, the same in CPU time, step peak bytes / inference bytes).
 
@@ -315,8 +287,8 @@ def _cost(loss, trainable, frozen, batch, repeats, microbatch):
     def infer():
         jax.block_until_ready(forward(trainable, frozen, batch))
 
-    ratio, cpu_ratio = _paired_ratio(zo_step, infer, repeats)
-    return ratio, cpu_ratio, _bytes(one) / _bytes(forward)
+    ratio, cpu_ratio = _common.paired_ratio(zo_step, infer, repeats)
+    return ratio, cpu_ratio, _common.compiled_bytes(one) / _common.compiled_bytes(forward)
 
 
 def _costs(graphdef, params, tok, mode):

@@ -587,27 +587,6 @@ def squad(lm: LM, mode: Mode) -> tuple[list[dict], dict, dict]:
 # --- cost of a zeroth-order step on the whole model -------------------------------------------
 
 
-def _bytes(compiled):
-    m = compiled.memory_analysis()
-    total = m.argument_size_in_bytes + m.temp_size_in_bytes + m.output_size_in_bytes
-    return int(total - m.alias_size_in_bytes)
-
-
-def _paired_ratio(step_fn, forward, repeats):
-    """Median over adjacent (step, forward) pairs of their time ratio (wall and CPU time)."""
-    step_fn(), forward()
-    wall, cpu = [], []
-    for _ in range(repeats):
-        samples = []
-        for fn in (step_fn, forward):
-            w, c = time.perf_counter(), time.process_time()
-            fn()
-            samples.append((time.perf_counter() - w, time.process_time() - c))
-        wall.append(samples[0][0] / samples[1][0])
-        cpu.append(samples[0][1] / samples[1][1])
-    return float(np.median(wall)), float(np.median(cpu))
-
-
 def costs(lm: LM, mode: Mode) -> dict[str, float]:
     """ZO step / forward time and memory with the whole model (LoRA q/v on every layer)."""
     from pavejax.data.prompts import load_prompted_sentiment
@@ -635,9 +614,9 @@ def costs(lm: LM, mode: Mode) -> dict[str, float]:
     def infer():
         jax.block_until_ready(forward(trainable, frozen, batch))
 
-    ratio, cpu_ratio = _paired_ratio(zo_step, infer, mode.repeats)
+    ratio, cpu_ratio = _common.paired_ratio(zo_step, infer, mode.repeats)
     return {"step_over_forward": ratio, "step_over_forward_cpu": cpu_ratio,
-            "mem_over_inference": _bytes(one) / _bytes(forward)}
+            "mem_over_inference": _common.compiled_bytes(one) / _common.compiled_bytes(forward)}
 
 
 # --- main --------------------------------------------------------------------------------------

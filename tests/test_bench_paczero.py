@@ -89,10 +89,10 @@ def test_step_cost_and_memory_ratios(bench, tiny):
     _, _, mem_full = bench._cost(full_loss, params, None, data["pool"], 1, None)
     # All weights perturbed: the peak is inference plus exactly one copy of θ (no piece of the
     # step, θ + εz with its draws, the mirror, the update, needs more), never a second copy.
-    inference = bench._bytes(jax.jit(lambda tr, b: jax.vmap(
+    inference = bench._common.compiled_bytes(jax.jit(lambda tr, b: jax.vmap(
         lambda ex: full_loss(tr, None, ex))(b), keep_unused=True).lower(
             params, data["pool"]).compile())
-    one_copy = bench._tree_bytes(params) / inference
+    one_copy = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params)) / inference
     # (the tiny pool's small buffers, the losses and the step's counters, show up at 16 examples:
     # under a tenth of this tiny θ; the z stacks of all same-shaped groups held at once, rather
     # than one group at a time, add more than that)
