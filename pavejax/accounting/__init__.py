@@ -1,10 +1,11 @@
 """Privacy accounting: a ledger of dp-accounting events (and PAC mutual-information charges),
 the event builders of every mechanism (:mod:`pavejax.accounting.events`), one noise calibrator
 (:func:`calibrate`), PAC-Privacy bounds (:mod:`pavejax.accounting.pac`), the
-intrinsic Gaussian-sketch guarantee of compact PAVE (:mod:`pavejax.accounting.sketch`) and
+intrinsic Gaussian-sketch guarantee of compact PAVE (:mod:`pavejax.accounting.sketch`), its
+data-dependent evaluation on a concrete spec (:mod:`pavejax.accounting.intrinsic`) and
 disclosure/amplification risk bounds (:mod:`pavejax.accounting.risk`)."""
 
-from pavejax.accounting import pac, risk, sketch
+from pavejax.accounting import intrinsic, pac, risk, sketch
 from pavejax.accounting._json import event_from_json, event_to_json
 from pavejax.accounting.calibration import calibrate, calibrate_steps
 from pavejax.accounting.events import (
@@ -13,6 +14,13 @@ from pavejax.accounting.events import (
     dpzo_step_event,
     gaussian_step_event,
     run_event,
+)
+from pavejax.accounting.intrinsic import (
+    clipped_average_query,
+    intrinsic_record,
+    query_bounds,
+    renyi_gaussian,
+    sketch_pair_rdp,
 )
 from pavejax.accounting.ledger import (
     BudgetExceededError,
@@ -54,6 +62,12 @@ __all__ = [
     "event_to_json",
     "gaussian_step_event",
     "run_event",
+    "clipped_average_query",
+    "intrinsic_record",
+    "query_bounds",
+    "renyi_gaussian",
+    "sketch_pair_rdp",
+    "intrinsic",
     "pac",
     "risk",
     "sketch",
