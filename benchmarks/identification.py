@@ -35,9 +35,14 @@ Methods (each scores every (user, developer) pair; the user reuses the top-score
   (``Config.a_seed``) and five more draws (seeds 1-5) at ranks 8, 16 and 32, from one pass of
   per-example gradients (:mod:`_spec_sums`; ``parity_a_draws`` compares its developer specs at
   the benchmark's own rank and ``A`` with the ``generate_spec`` specs the dock searched).
-  Summary keys ``pave_top1_over_a_{mean,std}_r{r}``, ``pave_worst_gap_over_a_r{r}`` (oracle
-  minus the worst draw) and ``pave_draws_within_2pt_r{r}``. Measured (2 CPU cores; mean +- std
-  over the six draws, then the worst gap to the oracle in points and the draws within 2 points):
+  Summary keys ``pave_top1_over_a_{mean,std,se}_r{r}`` (std: sample standard deviation over
+  the draws; se = std / sqrt(draws)), ``pave_top1_over_a_ci95_r{r}`` (mean +- 1.96 se),
+  ``pave_top1_over_a_draws_p95_r{r}`` (the draws' 2.5 / 97.5 percentiles; with six draws
+  these are close to the extreme draws), ``pave_worst_gap_over_a_r{r}`` (oracle minus the worst
+  draw) and ``pave_draws_within_2pt_r{r}``; an ``a_draws_summary`` row per rank holds the same
+  statistics (module ``_stats``). Measured (2 CPU cores; mean +- std (population std, ddof 0,
+  as these figures were computed) over the six draws, then the worst gap to the oracle in points
+  and the draws within 2 points):
 
   ==========  ===========================  ===========================
   rank        full market (oracle 0.894)   mid market (oracle 0.812)
@@ -89,6 +94,7 @@ from typing import Any
 
 import _common
 import _spec_sums
+import _stats
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -199,8 +205,14 @@ def a_draw_rows(market: Market, tb: TextSpecBackbone, cfg: Config, acc: np.ndarr
                "a_draws": len(seeds)}
     for r, vals in by_rank.items():
         v = np.asarray(vals)
-        summary |= {f"pave_top1_over_a_mean_r{r}": float(v.mean()),
-                    f"pave_top1_over_a_std_r{r}": float(v.std()),
+        st = _stats.summarize(v)
+        rows.append({"method": "pave", "part": "a_draws_summary", "rank": r,
+                     **_stats.stat_fields("top1_acc", v), "a_draws": len(v)})
+        summary |= {f"pave_top1_over_a_mean_r{r}": st["mean"],
+                    f"pave_top1_over_a_std_r{r}": st["std"],
+                    f"pave_top1_over_a_se_r{r}": st["se"],
+                    f"pave_top1_over_a_ci95_r{r}": st["ci95"],
+                    f"pave_top1_over_a_draws_p95_r{r}": [st["p2_5"], st["p97_5"]],
                     f"pave_worst_gap_over_a_r{r}": float(oracle - v.min()),
                     f"pave_draws_within_2pt_r{r}": int(np.sum(oracle - v <= 0.02))}
     return rows, summary

@@ -1,6 +1,9 @@
-"""benchmarks/pave_privacy.py: the eps = 4 noise diagnosis on synthetic clipped sums (no market)."""
+"""benchmarks/pave_privacy.py on synthetic clipped sums (no market): the draw statistics, the
+private rows from sums computed once, the paired noise-aware summary and the eps = 4 noise
+diagnosis."""
 
 import dataclasses
+import math
 
 import numpy as np
 import pytest
@@ -12,6 +15,32 @@ from tests._bench import benchmark_module
 def pp():
     with benchmark_module("pave_privacy") as module:
         yield module
+
+
+@pytest.fixture(scope="module")
+def stats():
+    with benchmark_module("_stats") as module:
+        yield module
+
+
+def test_summarize_matches_hand_values(stats):
+    s = stats.summarize([0.5, 0.7, 0.6, 0.8])
+    std = math.sqrt((0.15 ** 2 + 0.05 ** 2 + 0.05 ** 2 + 0.15 ** 2) / 3)  # ddof = 1
+    assert s["n"] == 4
+    assert s["mean"] == pytest.approx(0.65)
+    assert s["std"] == pytest.approx(std)
+    assert s["se"] == pytest.approx(std / 2)
+    assert s["ci95"] == pytest.approx([0.65 - 1.96 * std / 2, 0.65 + 1.96 * std / 2])
+    # linear interpolation on the sorted draws 0.5, 0.6, 0.7, 0.8: positions 0.075 and 2.925
+    assert s["p2_5"] == pytest.approx(0.5075)
+    assert s["p97_5"] == pytest.approx(0.7925)
+    one = stats.summarize([0.3])
+    assert (one["mean"], one["std"], one["se"], one["ci95"]) == (0.3, 0.0, 0.0, [0.3, 0.3])
+    f = stats.stat_fields("top1", [1.0, 0.0])
+    assert f["top1"] == 0.5 and f["top1_se"] == pytest.approx(math.sqrt(0.5) / math.sqrt(2))
+    for bad in ([], [0.1, float("nan")], [[0.1, 0.2]]):
+        with pytest.raises(ValueError, match="summarize"):
+            stats.summarize(bad)
 
 
 def _market(pp, user_dirs, dim=300, n=10, seed=0):
@@ -64,3 +93,102 @@ def test_plain_repeats_the_main_rows_and_the_span_query_gains_where_the_query_is
     assert summary["query_norm_in_dev_span"] == pytest.approx(
         np.linalg.norm([1.0, 0.8, 0.8]) / np.linalg.norm([1.0, 0.8, 0.8, 4.0]), rel=1e-5)
     assert summary["diag_eps4_query_in_dev_span"] >= summary["diag_eps4_plain"] + 0.1
+
+
+def _user_sums(users, n=10):
+    """User tuples (clipped sum, -, n, norms, -) whose clipped spec is ``users`` (its rows)."""
+    return [({"k": (-row * n).reshape(3, -1).astype(np.float32)}, None, n, np.ones(n), None)
+            for row in users]
+
+
+def _no_gradients(pp, monkeypatch):
+    """Every gradient pass of the benchmark raises: rows computed after this use given sums."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("a gradient pass was called")
+
+    for mod, name in ((pp, "Sums"), (pp._spec_sums, "over_market"),
+                      (pp._spec_sums, "ClippedSpecs"), (pp._spec_sums, "weight_grads_fn")):
+        monkeypatch.setattr(mod, name, refuse)
+
+
+def test_private_rows_take_60_draws_from_one_pass_of_sums(pp, monkeypatch):
+    from pavejax.pave.noise_aware import noise_aware_scores
+
+    _no_gradients(pp, monkeypatch)
+    cfg = dataclasses.replace(pp.make_config(quick=True), epsilons=(4.0,))
+    assert cfg.repeats >= 60 and pp.make_config(quick=False).repeats >= 60
+    sigma = 0.3
+    weights = [(1.0, 0.8, 0.8, 4.0), (0.8, 1.0, 0.8, 4.0), (0.8, 0.8, 1.0, 4.0)]
+    devs, users, _, acc = _market(pp, weights, seed=1)
+    # unequal data sizes: developer 2 holds 4x the data, so its spec carries 1/4 the noise
+    devs[2] = (devs[2][0], None, 40, np.ones(40), None)
+    rows, curves, draws = pp.private_rows(cfg, devs, _user_sums(users), acc,
+                                          {4.0: (None, sigma, 4.0)})
+    # the slow path, independently: one release at a time with the main rows' seeds
+    ns = np.array([d[2] for d in devs], np.float64)
+    want = {"cosine": [], "debiased": [], "posterior": [], "both": []}
+    for rep in range(cfg.repeats):
+        dev = np.stack([pp.dp_vector(s, n, sigma, cfg.l2_clip, pp._seed(rep, "dev", j))
+                        for j, (s, _, n, _, _) in enumerate(devs)])
+        user = np.stack([pp.dp_vector(s, n, sigma, cfg.l2_clip, pp._seed(rep, "user", j))
+                         for j, (s, _, n, _, _) in enumerate(_user_sums(users))])
+        want["cosine"].append(pp._top1(pp.cosine_scores(users, dev), acc)[0])
+        for m in ("debiased", "posterior"):
+            want[m].append(pp._top1(noise_aware_scores(users, dev, sigma / ns, m), acc)[0])
+        want["both"].append(pp._top1(pp.cosine_scores(user, dev), acc)[0])
+    by = {r["setting"]: r for r in rows}
+    assert set(by) == {"dev", "both"}
+    for row in rows:
+        assert row["repeats"] == cfg.repeats >= 60
+    np.testing.assert_allclose(draws["dev"][4.0]["cosine"], want["cosine"])
+    np.testing.assert_allclose(draws["both"][4.0]["cosine"], want["both"])
+    for m in ("debiased", "posterior"):
+        np.testing.assert_allclose(draws["dev"][4.0][m], want[m])
+    v = np.asarray(want["cosine"])
+    assert v.std() > 0  # the draws differ: the noise is redrawn, not reused
+    se = v.std(ddof=1) / math.sqrt(len(v))
+    row = by["dev"]
+    assert row["top1_acc"] == pytest.approx(v.mean())
+    assert row["top1_acc_se"] == pytest.approx(se)
+    assert [row["top1_acc_ci95_lo"], row["top1_acc_ci95_hi"]] == pytest.approx(
+        [v.mean() - 1.96 * se, v.mean() + 1.96 * se])
+    assert row["top1_acc_p2_5"] <= row["top1_acc"] <= row["top1_acc_p97_5"]
+    d = np.asarray(want["posterior"]) - v
+    assert row["posterior_minus_cosine"] == pytest.approx(d.mean())
+    assert row["posterior_minus_cosine_se"] == pytest.approx(d.std(ddof=1) / math.sqrt(len(d)))
+    assert curves["both"]["cosine"][4.0] == pytest.approx(np.mean(want["both"]))
+
+
+def test_noise_aware_summary_pairs_the_better_score_with_the_cosine(pp):
+    cos = np.array([0.5, 0.6, 0.7, 0.6])
+    deb = np.array([0.6, 0.6, 0.8, 0.6])  # mean 0.65
+    post = np.array([0.7, 0.6, 0.7, 0.8])  # mean 0.70: the better one
+    per = {"cosine": cos, "debiased": deb, "posterior": post}
+    s = pp.noise_aware_summary({"dev": {4.0: per}, "both": {4.0: per}})
+    assert s["top1_eps4"] == pytest.approx(0.6)
+    assert s["top1_eps4_noiseaware"] == pytest.approx(0.7)
+    assert s["noiseaware_method_eps4"] == "posterior"
+    # paired differences 0.2, 0, 0, 0.2: mean 0.1, sample std sqrt(4 * 0.01 / 3)
+    se = math.sqrt(0.04 / 3) / 2
+    assert s["noiseaware_minus_cosine_eps4"] == pytest.approx(0.1)
+    assert s["noiseaware_minus_cosine_eps4_se"] == pytest.approx(se)
+    assert s["top1_eps4_ci95"] == pytest.approx(
+        [0.6 - 1.96 * math.sqrt(0.02 / 3) / 2, 0.6 + 1.96 * math.sqrt(0.02 / 3) / 2])
+    assert s["top1_eps4_debiased"] == pytest.approx(0.65)
+    assert pp.noise_aware_summary({"dev": {}, "both": {}})["top1_eps4"] is None
+
+
+def test_release_draws_equal_the_one_at_a_time_release(pp):
+    rng = np.random.default_rng(3)
+    sums = [{"a": rng.normal(size=(2, 5)).astype(np.float32),
+             "b": rng.normal(size=(3, 4)).astype(np.float32)} for _ in range(3)]
+    ns, seeds = [7, 9, 11], np.arange(15).reshape(5, 3) + 100
+    out = list(pp.release_draws(sums, ns, 0.7, 2.0, seeds, chunk=2))  # a padded last block
+    assert len(out) == 5
+    for r, block in enumerate(out):
+        for j in range(3):
+            np.testing.assert_allclose(block[j], pp.dp_vector(sums[j], ns[j], 0.7, 2.0,
+                                                              int(seeds[r, j])), rtol=1e-6,
+                                       atol=1e-6)
+    with pytest.raises(ValueError, match="seeds must be"):
+        next(pp.release_draws(sums, ns, 0.7, 2.0, seeds[:, :2]))
