@@ -42,6 +42,9 @@ class SpecSignature:
       a_init: ``A``'s init scheme (``"gaussian"`` or ``"kaiming_uniform"``).
       layer_scaling: ``"none"`` or ``"fan_in"`` (each block multiplied by ``sqrt(d_in / r)``
         so that layers of different fan-in weigh as in ``cos(BA, B'A)``).
+      subspace: ``"identity"`` (the whole ``B`` blocks) or the
+        :attr:`pavejax.pave.subspace.Subspace.hash` of the public basis ``U`` whose coordinates
+        ``C = B U`` the spec holds (``layer_sizes`` are then ``r * k`` per layer).
     """
 
     backbone_id: str
@@ -52,6 +55,7 @@ class SpecSignature:
     a_hash: str
     a_init: str
     layer_scaling: str = "none"
+    subspace: str = "identity"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "layers", tuple(self.layers))
@@ -66,7 +70,7 @@ class SpecSignature:
         if self.layer_scaling not in LAYER_SCALINGS:
             raise ValueError(f"layer_scaling must be one of {LAYER_SCALINGS}, "
                              f"got {self.layer_scaling!r}")
-        for name in ("backbone_id", "backbone_hash", "a_hash", "a_init"):
+        for name in ("backbone_id", "backbone_hash", "a_hash", "a_init", "subspace"):
             if not isinstance(getattr(self, name), str) or not getattr(self, name):
                 raise ValueError(f"{name} must be a non-empty string, got "
                                  f"{getattr(self, name)!r}")
@@ -94,17 +98,21 @@ class SpecSignature:
         if diff:
             raise SpecMismatchError(
                 f"the {what} was made in another parameter space ({'; '.join(diff)}). Specs are "
-                f"comparable only with the same backbone weights, adapted layers, rank, secret A "
-                f"and layer scaling: regenerate it with this dock's SpecConfig and A key.")
+                f"comparable only with the same backbone weights, adapted layers, rank, secret A, "
+                f"layer scaling and coordinate subspace: regenerate it with this dock's "
+                f"SpecConfig, subspace and A key.")
 
     def to_dict(self) -> dict[str, Any]:
-        return {f.name: (list(v) if isinstance(v := getattr(self, f.name), tuple) else v)
-                for f in dataclasses.fields(self)}
+        out = {f.name: (list(v) if isinstance(v := getattr(self, f.name), tuple) else v)
+               for f in dataclasses.fields(self)}
+        if out["subspace"] == "identity":  # records of whole-block specs keep their old form
+            del out["subspace"]
+        return out
 
     @classmethod
     def from_dict(cls, obj: Mapping[str, Any]) -> SpecSignature:
         names = {f.name for f in dataclasses.fields(cls)}
-        missing = names - set(obj) - {"layer_scaling"}
+        missing = names - set(obj) - {"layer_scaling", "subspace"}
         if missing:
             raise ValueError(f"spec signature lacks fields {sorted(missing)}")
         return cls(**{k: (tuple(v) if isinstance(v, list) else v)

@@ -80,7 +80,8 @@ class SpecSampler:
     Returns the (R, dim) float32 spec vectors. Data sets of one size share one compiled program.
 
     Attributes:
-      blocks: ``(rank, d_out)`` of each adapted leaf in spec order (a spec vector is the
+      blocks: ``(rank, d_out)`` (coordinate specs: ``(rank, k)``) of each adapted leaf in spec
+        order (a spec vector is the
         concatenation of these row-major blocks).
       private: whether the mechanism is DP-S-PAVE.
     """
@@ -99,12 +100,18 @@ class SpecSampler:
         self.config, self.aux, self.chunk = config, aux, chunk
         self.private = config.privacy is not None
         lcfg = config.lora
+        sub = config.subspace
         B0, _ = lora.init_lora(jax.random.key(0), backbone.params, predicate, lcfg)
+        if sub is not None:  # coordinate specs: C (r, k) on the subspace's kernels
+            sub.check_params(backbone.params, predicate)
+            B0 = {p: jnp.zeros(shape, lcfg.dtype)
+                  for p, shape in sub.coordinate_shapes(lcfg.rank).items()}
         self._B0 = B0
         self.blocks = tuple(tuple(int(d) for d in np.shape(B0[p])) for p in sorted(B0))
 
         def a_factors(key):
-            return lora.init_lora(key, backbone.params, predicate, lcfg)[1]
+            A = lora.init_lora(key, backbone.params, predicate, lcfg)[1]
+            return A if sub is None else {p: A[p] for p in sub.paths}
 
         self._a_one = jax.jit(a_factors, compiler_options=_FAST_COMPILE)
         self._a_many = jax.jit(jax.vmap(a_factors), compiler_options=_FAST_COMPILE)
@@ -217,7 +224,7 @@ def _build_program(sampler: SpecSampler, n: int):
         if min(config.batch_size, n) != n:
             raise ValueError("the sampler replicates full-batch non-private specs only; set "
                              f"batch_size >= n ({n}) (e.g. the 'one_step' preset)")
-        grad_fn = spec_lib._mean_grad(sampler.logits_fn, lcfg)
+        grad_fn = spec_lib._mean_grad(sampler.logits_fn, lcfg, config.subspace)
         max_batch = n
 
         def step_fn(B, A, data, present, key, t):

@@ -57,6 +57,7 @@ from pavejax._releasable import REPLAYABLE
 from pavejax.accounting import Ledger, calibrate, gaussian_step_event, run_event
 from pavejax.checkpointing import TrainCheckpointer, run_record
 from pavejax.optim import promotion_safe
+from pavejax.pave.subspace import Subspace
 from pavejax.privacy import (
     ClipConfig,
     DPConfig,
@@ -201,6 +202,12 @@ class SpecConfig:
       microbatch_size: DP-S-PAVE: examples whose per-example gradients are held at once
         (memory only, never the result's distribution); None for the whole padded batch.
       progress: show a progress bar.
+      subspace: None (default: the whole ``B`` blocks of every adapted kernel) or a public
+        :class:`~pavejax.pave.subspace.Subspace`: the spec trains and releases the coordinates
+        ``C = B U`` (``B = C U^T``) of the kernels the subspace keeps (the seed paper's Eq. 18);
+        the subspace's hash enters the signature. Under DP-S-PAVE each example's gradient with
+        respect to ``C`` (its ``B`` gradient projected on ``U``) is clipped and noised: same
+        sensitivity, same accounting, ``r k`` noisy coordinates per kernel.
     """
 
     rank: int = 8
@@ -220,6 +227,7 @@ class SpecConfig:
     privacy: PrivacyConfig | None = None
     microbatch_size: int | None = None
     progress: bool = True
+    subspace: Subspace | None = None
 
     def __post_init__(self) -> None:
         lora.LoraConfig(self.rank, self.alpha, self.a_init)  # validates rank, alpha, init
@@ -241,6 +249,8 @@ class SpecConfig:
             _positive("microbatch_size", self.microbatch_size, integer=True)
         if self.privacy is not None and not isinstance(self.privacy, PrivacyConfig):
             raise TypeError("privacy must be a PrivacyConfig or None")
+        if self.subspace is not None and not isinstance(self.subspace, Subspace):
+            raise TypeError("subspace must be a pavejax.pave.subspace.Subspace or None")
         if self.example_clip is not None:
             _positive("example_clip", self.example_clip)
             if self.privacy is not None and self.example_clip != self.privacy.l2_clip:
@@ -322,12 +332,14 @@ def hard_targets(labels: np.ndarray, num_classes: int) -> np.ndarray:
 
 def spec_signature(backbone: Backbone, B: Mapping[str, jax.Array], A: Mapping[str, jax.Array],
                    config: SpecConfig) -> SpecSignature:
-    """The signature of specs made with these factors and config."""
+    """The signature of specs made with these factors and config (with ``config.subspace``,
+    ``B`` holds the coordinates ``C`` and ``A`` the subspace's kernels)."""
     layers = tuple(sorted(B))
     return SpecSignature(backbone_id=backbone.id, backbone_hash=backbone.hash, rank=config.rank,
                          layers=layers, layer_sizes=tuple(int(np.size(B[p])) for p in layers),
                          a_hash=lora.a_hash(A), a_init=config.a_init,
-                         layer_scaling=config.layer_scaling)
+                         layer_scaling=config.layer_scaling,
+                         subspace="identity" if config.subspace is None else config.subspace.hash)
 
 
 def _check_data(inputs: Mapping[str, Any], targets: np.ndarray) -> int:
@@ -435,6 +447,12 @@ def generate_spec(logits_fn: LogitsFn, backbone: Backbone, predicate: lora.Predi
     data["__target"] = jnp.asarray(targets, jnp.float32)
     lcfg = config.lora
     B, A = lora.init_lora(a_key, backbone.params, predicate, lcfg)
+    sub = config.subspace
+    if sub is not None:  # train the coordinates C (r, k) of the kept kernels; B = C U^T
+        sub.check_params(backbone.params, predicate)
+        A = {p: A[p] for p in sub.paths}
+        B = {p: jnp.zeros(shape, lcfg.dtype)
+             for p, shape in sub.coordinate_shapes(lcfg.rank).items()}
     frozen = (A, backbone.params, aux)
     opt = _optimizer(config)
     opt_state = opt.init(B)
@@ -447,10 +465,10 @@ def generate_spec(logits_fn: LogitsFn, backbone: Backbone, predicate: lora.Predi
         batch_size = min(config.batch_size, n)
         full = batch_size == n
         if config.example_clip is None:
-            grad_fn = _mean_grad(logits_fn, lcfg)
+            grad_fn = _mean_grad(logits_fn, lcfg, sub)
         else:
             grad_fn = _clipped_mean_grad(logits_fn, lcfg, float(config.example_clip),
-                                         min(_CLIP_MICROBATCH, batch_size))
+                                         min(_CLIP_MICROBATCH, batch_size), sub)
         rng = np.random.default_rng(config.seed)
         for _ in bar:
             batch = data if full else jax.tree.map(
@@ -466,8 +484,10 @@ def generate_spec(logits_fn: LogitsFn, backbone: Backbone, predicate: lora.Predi
         priv = config.privacy
         plan = spec_dp_plan(logits_fn, n, config, mesh)
         sampling, sigma = plan.sampling, plan.noise_multiplier
-        run = run_record("dp-s-pave", config, exclude=("steps", "progress"), sigma=sigma,
-                         kind=kind, num_examples=n, backbone=backbone.hash, a_hash=lora.a_hash(A))
+        run = run_record("dp-s-pave", config, exclude=("steps", "progress", "subspace"),
+                         sigma=sigma, kind=kind, num_examples=n, backbone=backbone.hash,
+                         a_hash=lora.a_hash(A),
+                         **({} if sub is None else {"subspace": sub.hash}))
         place = None if mesh is None else functools.partial(replicate, mesh=mesh)
         batch = (frozen, data) if mesh is None else (replicate(frozen, mesh), data)
         # The ledger is under replace-one: the release states its dataset size, so no
@@ -482,13 +502,18 @@ def generate_spec(logits_fn: LogitsFn, backbone: Backbone, predicate: lora.Predi
                       if noise_key is not None else
                       "fresh from the operating system, never recorded")
         independent = False
-    vec = _spec_vector(B, A, config)
+    coords = B
+    if sub is not None:
+        B = {p: jnp.asarray(b) for p, b in sub.lift(coords).items()}
+    vec = _spec_vector(coords, A, config)
     if not np.isfinite(vec).all():
         raise ValueError("spec training diverged (NaN/inf in B); lower the learning rate")
     record = dict(info or {})
     record |= {"fit_target": config.fit_target if kind == "model" else "label",
                "num_examples": n, "num_classes": int(np.shape(targets)[1]),
                "config": _config_record(config)}
+    if sub is not None:
+        record["subspace"] = sub.describe()
     if config.privacy is not None:
         record |= _privacy_record(config, sampling, sigma, ledger, n)
         record["noise_key"] = key_origin
@@ -498,22 +523,25 @@ def generate_spec(logits_fn: LogitsFn, backbone: Backbone, predicate: lora.Predi
             "kind": "none", "trajectory_independent_of_A": independent,
             "note": "non-private spec; the intrinsic sketch analysis needs a secret A and a "
                     "trajectory that does not depend on A"}}
-    spec = PaveSpec(vec, spec_signature(backbone, B, A, config), kind, record)
+    spec = PaveSpec(vec, spec_signature(backbone, coords, A, config), kind, record)
     return SpecResult(spec, B, A, ledger, np.asarray(losses), independent)
 
 
 def _example_losses(logits_fn: LogitsFn, lcfg: lora.LoraConfig, b: dict, frozen: tuple,
-                    batch: Mapping[str, jax.Array]) -> jax.Array:
+                    batch: Mapping[str, jax.Array], subspace: Subspace | None = None) -> jax.Array:
     A, params, aux = frozen
+    if subspace is not None:
+        b = subspace.lift(b)
     merged = lora.apply_lora(params, b, jax.lax.stop_gradient(A), lcfg)
     x = {k: v for k, v in batch.items() if k != "__target"}
     return soft_cross_entropy(logits_fn(merged, x, aux), batch["__target"])
 
 
 @functools.cache
-def _mean_grad(logits_fn: LogitsFn, lcfg: lora.LoraConfig) -> Callable:
+def _mean_grad(logits_fn: LogitsFn, lcfg: lora.LoraConfig,
+               subspace: Subspace | None = None) -> Callable:
     def mean_loss(b, frozen, batch):
-        return jnp.mean(_example_losses(logits_fn, lcfg, b, frozen, batch))
+        return jnp.mean(_example_losses(logits_fn, lcfg, b, frozen, batch, subspace))
 
     return jax.jit(jax.value_and_grad(mean_loss))
 
@@ -522,10 +550,10 @@ _CLIP_MICROBATCH = 16  # per-example gradients held at once by an example_clip s
 
 
 def _clipped_mean_grad(logits_fn: LogitsFn, lcfg: lora.LoraConfig, l2_clip: float,
-                       microbatch: int) -> Callable:
+                       microbatch: int, subspace: Subspace | None = None) -> Callable:
     """``(B, frozen, batch) -> (mean loss, mean of per-example gradients clipped jointly to
     l2_clip)``; the batch is padded to a multiple of ``microbatch`` and the padding masked."""
-    inner = _clipped_mean_grad_jit(logits_fn, lcfg, l2_clip, microbatch)
+    inner = _clipped_mean_grad_jit(logits_fn, lcfg, l2_clip, microbatch, subspace)
 
     def fn(b, frozen, batch):
         n = int(jax.tree.leaves(batch)[0].shape[0])
@@ -544,11 +572,12 @@ def _clipped_mean_grad(logits_fn: LogitsFn, lcfg: lora.LoraConfig, l2_clip: floa
 
 @functools.cache
 def _clipped_mean_grad_jit(logits_fn: LogitsFn, lcfg: lora.LoraConfig, l2_clip: float,
-                           microbatch: int) -> Callable:
+                           microbatch: int, subspace: Subspace | None = None) -> Callable:
     clip_cfg = ClipConfig(l2_clip)
 
     def example_loss(b, frozen, ex):
-        return _example_losses(logits_fn, lcfg, b, frozen, jax.tree.map(lambda v: v[None], ex))[0]
+        return _example_losses(logits_fn, lcfg, b, frozen, jax.tree.map(lambda v: v[None], ex),
+                               subspace)[0]
 
     @jax.jit
     def fn(b, frozen, batch, mask):
@@ -651,7 +680,8 @@ def spec_dp_plan(logits_fn: LogitsFn, n: int, config: SpecConfig,
                       clipping=priv.clipping)
 
     def example_loss(b, frozen, ex):
-        return _example_losses(logits_fn, lcfg, b, frozen, jax.tree.map(lambda v: v[None], ex))[0]
+        return _example_losses(logits_fn, lcfg, b, frozen, jax.tree.map(lambda v: v[None], ex),
+                               config.subspace)[0]
 
     return SpecDPPlan(sampling, float(sigma), dp_cfg, example_loss, _optimizer(config),
                       float(config.l1), mb, mesh)
@@ -659,9 +689,11 @@ def spec_dp_plan(logits_fn: LogitsFn, n: int, config: SpecConfig,
 
 def _config_record(config: SpecConfig) -> dict[str, Any]:
     out = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)
-           if f.name not in ("privacy", "progress")}
+           if f.name not in ("privacy", "progress", "subspace")}
     if config.privacy is not None:
         out["privacy"] = dataclasses.asdict(config.privacy)
+    if config.subspace is not None:
+        out["subspace"] = config.subspace.hash
     return out
 
 
