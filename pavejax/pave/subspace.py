@@ -302,47 +302,52 @@ def random_targets(n: int, num_classes: int, seed: int = 0) -> np.ndarray:
     return np.eye(num_classes, dtype=np.float32)[y]
 
 
-def _gradient_moments(logits_fn, params, paths, inputs, targets, aux, microbatch):
-    """``{path: sum_i g_i^T g_i}`` (d_out, d_out) float64 over the examples, where g_i is the
+def _moments_fn(logits_fn, params, paths):
+    """Jitted ``(batch, mask, aux) -> {path: sum_b g_b^T g_b}`` (d_out, d_out), where g_b is the
     per-example gradient (d_in, d_out) of the soft cross-entropy w.r.t. the kernel."""
     from pavejax.pave.spec import soft_cross_entropy  # spec imports this module
 
     leaves = lora.named_leaves(params)
     shapes = {p: lora.matrix_shape(np.shape(leaves[p])) for p in paths}
 
-    def example_loss(w, ex):
+    def example_loss(w, ex, aux):
         merged = jax.tree_util.tree_map_with_path(
             lambda kp, leaf: w.get(lora.path_string(kp), leaf), params)
         x = {k: v[None] for k, v in ex.items() if k != "__target"}
         return soft_cross_entropy(logits_fn(merged, x, aux), ex["__target"][None])[0]
 
     @jax.jit
-    def moments(batch, mask):
+    def moments(batch, mask, aux):
         sel = {p: leaves[p] for p in paths}
-        g = jax.vmap(jax.grad(example_loss), in_axes=(None, 0))(sel, batch)
+        g = jax.vmap(jax.grad(example_loss), in_axes=(None, 0, None))(sel, batch, aux)
         out = {}
         for p, v in g.items():
             v = v.reshape((v.shape[0],) + shapes[p]) * mask[:, None, None].astype(v.dtype)
             out[p] = jnp.einsum("bio,bip->op", v, v, precision=jax.lax.Precision.HIGHEST)
         return out
 
+    return moments, shapes
+
+
+def _gradient_moments(fn, shapes, inputs, targets, aux, microbatch):
     data = {k: np.asarray(v) for k, v in inputs.items()}
     data["__target"] = np.asarray(targets, np.float32)
     n = len(data["__target"])
-    total = {p: np.zeros((shapes[p][1],) * 2) for p in paths}
+    total = {p: np.zeros((d_out, d_out)) for p, (_, d_out) in shapes.items()}
     for i in range(0, n, microbatch):
         part = {k: v[i:i + microbatch] for k, v in data.items()}
         real = len(part["__target"])
         part = {k: np.concatenate([v, np.repeat(v[:1], microbatch - real, 0)])
                 for k, v in part.items()}
-        out = moments(part, np.arange(microbatch) < real)
-        for p in paths:
+        out = fn(part, np.arange(microbatch) < real, aux)
+        for p in total:
             total[p] += np.asarray(out[p], np.float64)
     return total
 
 
 def calibrated(logits_fn: Callable, params: Any, predicate: lora.Predicate,
                inputs: Mapping[str, Any], targets: np.ndarray, k: int, *, aux: Any = None,
+               more: Sequence[tuple[Mapping[str, Any], np.ndarray, Any]] = (),
                microbatch: int = 16, info: Mapping[str, Any] | None = None) -> Subspace:
     """Per adapted kernel, the top-``k`` output-side directions of the per-example full-weight
     gradients on PUBLIC data: the eigenvectors of ``sum_i g_i^T g_i`` with the ``k`` largest
@@ -357,20 +362,28 @@ def calibrated(logits_fn: Callable, params: Any, predicate: lora.Predicate,
       targets: ``(n, K)`` probability rows: zero-shot predictions or :func:`random_targets`.
       k: coordinates per kernel.
       aux: passed to ``logits_fn`` (e.g. the label-space head).
+      more: further ``(inputs, targets, aux)`` groups whose gradient moments are added (e.g.
+        the same public texts under the head of each public label set).
       info: public facts recorded with the subspace (e.g. the data's name and size).
     """
     dims = _adapted_out_dims(params, predicate)
     k = _check_k(k, dims)
-    t = np.asarray(targets, np.float32)
-    if t.ndim != 2 or t.shape[0] < 1 or not np.isfinite(t).all():
-        raise ValueError(f"targets must be finite (n, K) probability rows, got shape {t.shape}")
-    for name, v in inputs.items():
-        if np.shape(v)[:1] != (t.shape[0],):
-            raise ValueError(f"inputs[{name!r}] has {np.shape(v)[:1]} examples, targets "
-                             f"{t.shape[0]}")
     if isinstance(microbatch, bool) or not isinstance(microbatch, int) or microbatch < 1:
         raise ValueError(f"microbatch must be an int >= 1, got {microbatch!r}")
-    mom = _gradient_moments(logits_fn, params, sorted(dims), inputs, t, aux, microbatch)
+    mom, total_n = None, 0
+    fn, shapes = _moments_fn(logits_fn, params, sorted(dims))
+    for inp, targ, ax in ((inputs, targets, aux), *more):
+        t = np.asarray(targ, np.float32)
+        if t.ndim != 2 or t.shape[0] < 1 or not np.isfinite(t).all():
+            raise ValueError(f"targets must be finite (n, K) probability rows, got shape "
+                             f"{t.shape}")
+        for name, v in inp.items():
+            if np.shape(v)[:1] != (t.shape[0],):
+                raise ValueError(f"inputs[{name!r}] has {np.shape(v)[:1]} examples, targets "
+                                 f"{t.shape[0]}")
+        part = _gradient_moments(fn, shapes, inp, t, ax, microbatch)
+        mom = part if mom is None else {p: mom[p] + part[p] for p in mom}
+        total_n += int(t.shape[0])
     bases = {}
     for p, m in mom.items():
         if not np.isfinite(m).all():
@@ -381,5 +394,5 @@ def calibrated(logits_fn: Callable, params: Any, predicate: lora.Predicate,
             raise ValueError(f"the calibration gradients at {p!r} span fewer than k = {k} "
                              f"directions; use more (or more varied) public data or a smaller k")
         bases[p] = _canonical(v[:, order])
-    record = {"k": k, "num_examples": int(t.shape[0]), **dict(info or {})}
+    record = {"k": k, "num_examples": total_n, **dict(info or {})}
     return Subspace(bases, dims, kind="calibrated", info=record)

@@ -33,6 +33,7 @@ from pavejax.pave.spec import (
     model_spec,
     user_spec,
 )
+from pavejax.pave.subspace import Subspace, calibrated, random_targets
 
 __all__ = ["MINILM_ID", "TextSpecBackbone", "attention_predicate"]
 
@@ -151,6 +152,26 @@ class TextSpecBackbone:
         return model_spec(self.logits_fn, self.backbone, self.predicate, self.encode(texts),
                           logits, a_key, config, aux=self.head(classes),
                           info={"classes": list(classes), **info}, noise_key=noise_key)
+
+    def calibrated_subspace(self, texts: Sequence[str], label_sets: Sequence[Sequence[str]],
+                            k: int, *, seed: int = 0, microbatch: int = 16,
+                            info: dict[str, Any] | None = None) -> Subspace:
+        """A :func:`pavejax.pave.subspace.calibrated` subspace of this backbone's adapted
+        kernels from PUBLIC ``texts`` (never market or private data: the subspace is
+        published): the texts under the head ``g`` of every public label set of
+        ``label_sets`` (e.g. ``[("negative", "positive"), ("business", "sport", ...)]``), with
+        public random labels from ``seed`` (at ``B = 0`` the centred head predicts uniformly,
+        so the labels carry no task information either way)."""
+        if not label_sets:
+            raise ValueError("give at least one public label set, e.g. [('negative', 'positive')]")
+        enc = self.encode(texts)
+        groups = [(enc, random_targets(len(texts), len(c), seed + i), self.head(c))
+                  for i, c in enumerate(label_sets)]
+        record = {"num_texts": len(texts), "label_sets": [list(c) for c in label_sets],
+                  "label_seed": seed, "backbone": self.backbone.id, **(info or {})}
+        return calibrated(self.logits_fn, self.backbone.params, self.predicate, groups[0][0],
+                          groups[0][1], k, aux=groups[0][2], more=groups[1:],
+                          microbatch=microbatch, info=record)
 
     def user_spec(self, texts: Sequence[str], labels: np.ndarray, classes: Sequence[str],
                   a_key: jax.Array, config: SpecConfig = SpecConfig(),
