@@ -107,3 +107,57 @@ class ClippedSpecs:
             part = [np.asarray(v, np.float64) for v in self._sums(head, batch, mask)]
             total = part if total is None else [t + v for t, v in zip(total, part, strict=True)]
         return [(-t / len(texts)).astype(np.float32) for t in total]
+
+
+class ClippedPrefixSums:
+    """Clipped per-example gradient sums of ``B`` (one secret ``A``) over every prefix length of
+    ``ns`` of a data set, from one pass of per-example gradients.
+
+    Clipping is per example (joint over the adapted kernels, the DP engine's coefficients), so
+    the clipped sum over the first n examples is the sum of the first n clipped gradients: one
+    pass over the largest set gives the spec data sums of every smaller n exactly. ``A``:
+    ``{path: (d_in, r)}`` (from :func:`lora.init_lora`), ``scale`` its LoRA scale."""
+
+    def __init__(self, tb: TextSpecBackbone, A: dict, clip: float = 1.0, microbatch: int = 16,
+                 scale: float = 1.0):
+        self.tb, self.microbatch = tb, microbatch
+        self.paths = sorted(A)
+        grads = weight_grads_fn(tb, self.paths)
+
+        @jax.jit
+        def clipped(head, batch, mask):
+            g = grads(head, batch)
+            gb = {p: scale * jnp.einsum("ir,bio->bro", A[p], g[p],
+                                        precision=jax.lax.Precision.HIGHEST) for p in self.paths}
+            norms = per_example_norms(gb)
+            coef = jnp.where(mask & jnp.isfinite(norms), clip_coefficients(norms, clip), 0.0)
+            flat = jnp.concatenate([gb[p].reshape(gb[p].shape[0], -1) for p in self.paths], 1)
+            return coef[:, None] * flat, norms
+
+        self._clipped = clipped
+
+    def __call__(self, texts: Sequence[str], targets: np.ndarray, classes: Sequence[str],
+                 ns: Sequence[int]) -> tuple[dict[int, np.ndarray], np.ndarray]:
+        """({n: clipped sum (float64, concatenated over sorted paths) of the first n examples}
+        for every n of ``ns`` with n <= len(texts), per-example gradient norms before clipping).
+
+        Raises:
+          ValueError: an n of ``ns`` is not positive.
+        """
+        if any(int(n) < 1 for n in ns):
+            raise ValueError(f"prefix lengths must be positive, got {list(ns)}")
+        wanted = sorted({int(n) for n in ns if int(n) <= len(texts)})
+        head, out, norms = self.tb.head(classes), {}, []
+        total, seen = None, 0
+        for batch, mask, real in microbatches(self.tb, texts, targets, self.microbatch):
+            rows, nrm = self._clipped(head, batch, mask)
+            rows = np.asarray(rows, np.float64)[:real]
+            norms.append(np.asarray(nrm)[:real])
+            if total is None:
+                total = np.zeros(rows.shape[1])
+            for n in wanted:  # a prefix that ends inside this microbatch
+                if seen < n <= seen + real:
+                    out[n] = total + rows[:n - seen].sum(axis=0)
+            total = total + rows.sum(axis=0)
+            seen += real
+        return out, np.concatenate(norms)

@@ -1,18 +1,19 @@
-"""Private PAVE: identification accuracy of DP-S-PAVE specs vs epsilon and rank, and audits.
+"""Private PAVE: identification accuracy of DP-S-PAVE specs vs epsilon, rank and developer data,
+with noise-aware ranking, and audits.
 
-Identification rows (the market of ``identification.py``: real all-MiniLM-L6-v2, real text;
-quick: its quick market). That market's developers train with the tuned head recipe
-(``developer_recipe="tuned"``, set by ``identification.make_config``), while the figures quoted
-below were measured with the former constant-rate Adam developers and await a re-run. Spec
-recipe: identification's ``"one_step_clipped"`` preset (one full-batch SGD step from B = 0 on
+Two parts (``--part main``, ``--part data_scale``; both by default).
+
+Main part: identification rows on the market of ``identification.py`` (real
+all-MiniLM-L6-v2, real text; quick: its quick market), whose developers train with the tuned
+head recipe (``developer_recipe="tuned"``, set by ``identification.make_config``). Spec recipe:
+identification's ``"one_step_clipped"`` preset (one full-batch SGD step from B = 0 on
 per-example gradients clipped jointly to C = 1, rank 8 on every query/value kernel, A secret
 from one key; identification runs it at rank 32, and the ``rank`` rows cover 2-32); it is the
-non-private baseline
-(``top1_nonprivate``, both sides) and the users' query in the ``dev`` setting. Its private
-version is ``"one_step"`` with ``PrivacyConfig(target_epsilon=eps, sampling="full",
-l2_clip=C)``: the same clipped sum plus one Gaussian draw (sensitivity 2C under replace-one,
-noise sigma C, sigma calibrated by the PLD accountant at delta = 1e-5), so the gap to the
-baseline is the noise alone. ``top1_nonprivate_unclipped`` is the plain ``"one_step"``
+non-private baseline (``top1_nonprivate``, both sides) and the users' query in the ``dev``
+setting. Its private version is ``"one_step"`` with ``PrivacyConfig(target_epsilon=eps,
+sampling="full", l2_clip=C)``: the same clipped sum plus one Gaussian draw (sensitivity 2C under
+replace-one, noise sigma C, sigma calibrated by the PLD accountant at delta = 1e-5), so the gap
+to the baseline is the noise alone. ``top1_nonprivate_unclipped`` is the plain ``"one_step"``
 recipe (no clip). ``rank`` rows, for each rank of ``ranks`` (A of that rank from the same key):
 the clipped recipe non-private (``top1_nonprivate_r{r}``) and in the developer setting at
 eps = 4 (``top1_eps4_r{r}``: the same sigma, since the release is one Gaussian mechanism on the
@@ -26,18 +27,30 @@ contributes a unit-norm direction.
 
 Two private settings, both reported: ``dev`` (developer specs are DP-S-PAVE, the released market
 specs; users keep their non-private query) and ``both`` (user specs are DP-S-PAVE too). Every
-spec draws its own noise (its own seed); each (epsilon, setting) is evaluated over ``repeats``
-noise draws (60 in both modes: the noise is added to sums computed once, in vectorised blocks of
-draws, so draws are cheap) and reported as the mean, its standard error (sample std / sqrt(R)),
-the normal 95% interval of the mean (``_ci95_lo`` / ``_ci95_hi``: mean +- 1.96 SE) and the 2.5 /
-97.5 percentiles of the draws (``_p2_5`` / ``_p97_5``), by ``_stats.summarize``. Each draw is
-also ranked by the two noise-aware scores of :func:`pavejax.pave.noise_aware.noise_aware_scores`
-(``top1_acc_debiased``, ``top1_acc_posterior``; developer j's released vector has noise std
-``sigma C / n_j`` per coordinate, which its public record gives), on the same draws as the
-cosine, so ``{debiased,posterior}_minus_cosine`` are paired differences with their own SE. ``data_scale`` rows are a projection, not a
-measurement: developer specs at eps = 4 with noise sigma / k, which is what k times more spec
-data with the same per-example gradient distribution would give; ``data_scale_for_target`` is
-the smallest such k that meets the target.
+spec draws its own noise (its own seed).
+
+Statistics: every private row (main, ``rank``, ``clip``, ``noise_diagnosis`` and data-scale
+rows) is evaluated over ``repeats`` = 60 noise draws in both modes (the noise is added to sums
+computed once, :func:`release_draws` draws it in vectorised blocks, so draws are cheap) and
+reports the mean (``top1_acc``; every headline key is a mean), the standard error of the mean
+(``_se``: sample std / sqrt(60)), the normal 95% interval of the mean (``_ci95_lo`` /
+``_ci95_hi``: mean +- 1.96 SE) and the 2.5 / 97.5 percentiles of the draws themselves
+(``_p2_5`` / ``_p97_5``: where one release falls), by ``_stats.summarize``. Summary:
+``top1_eps4`` with ``top1_eps4_se``, ``top1_eps4_ci95`` ([lo, hi]) and ``top1_eps4_draws_p95``;
+the same for ``top1_eps4_both``.
+
+Noise-aware rows: each draw is also ranked by the two noise-aware scores of
+:func:`pavejax.pave.noise_aware.noise_aware_scores` (``"debiased"``: the projection over a norm
+with the noise's expected energy removed; ``"posterior"``: the posterior-mean cosine under a
+von Mises-Fisher posterior of the true direction), given each developer's per-coordinate noise
+std ``sigma C / n_j`` (public in its release). Columns ``top1_acc_debiased`` and
+``top1_acc_posterior`` (with their statistics) are on the same draws as the cosine, so
+``{debiased,posterior}_minus_cosine`` (with ``_se``) are paired differences. Summary:
+``top1_eps4_debiased``, ``top1_eps4_posterior``, ``top1_eps4_noiseaware`` (the better of the
+two means, named in ``noiseaware_method_eps4``; choosing the better of two favours it slightly)
+and ``noiseaware_minus_cosine_eps4`` with ``_se`` and ``_ci95`` (paired). ``target_met``:
+``top1_eps4`` within 0.03 of ``top1_nonprivate``; ``target_met_noiseaware`` the same for
+``top1_eps4_noiseaware``.
 
 Fast path (exact, checked): a one-step spec is a function of per-data-set sums that do not depend
 on epsilon or the seed. The benchmark computes, in fixed-size microbatches and one pass (the
@@ -49,55 +62,71 @@ release draws its key fresh from the OS, which is the same distribution); non-pr
 every rank are ``B_r = -A_r^T G / n`` from the full-weight gradient G, and the clipped
 non-private spec is ``-S / n``. ``parity_*`` in the summary compares them with real
 :func:`pavejax.pave.spec.generate_spec` calls on one developer (relative max difference, and
-the calibrated sigma and claimed epsilon). The quick mode checks the DP release only (the same
-clipped sum plus replayed noise); ``parity_nonprivate`` and ``parity_nonprivate_clipped`` need
-two more compiles and run in the full mode.
+the calibrated sigma and claimed epsilon); ``parity_release_draws`` compares the vectorised
+draws with the one-at-a-time release of the same key. The quick mode checks the DP release only
+(the same clipped sum plus replayed noise); ``parity_nonprivate`` and
+``parity_nonprivate_clipped`` need two more compiles and run in the full mode.
 
 Audit rows (toy model, see ``_pave_privacy_audits.py``): black-box disclosure and amplification
 games per epsilon (audit epsilon next to claimed), non-private PAVE with A known and A secret,
-and the white-box Dirac canary (tightness). Summary keys: ``top1_eps4`` (dev setting),
-``top1_eps4_both``, ``top1_nonprivate``, ``audit_over_claimed_max`` (<= 1),
-``whitebox_over_claimed`` (at eps = 4), ``target_met`` (top1_eps4 within 0.03 of non-private).
-
-``--quick``: the quick market, 3 noise draws, 5k black-box audit runs and 100k white-box runs,
-audits at eps 1 and 4 only (about 3 minutes on 2 idle cores: market ~22 s, gradient sums
-~48 s, the rank pass about as long, audits ~17 s). Full: the full market, 10 draws, 50k / 1M
-runs at every eps (sized for one GPU; 12.6 minutes on 2 cores with the ``noise_diagnosis``
-rows).
+and the white-box Dirac canary (tightness). Summary keys ``audit_over_claimed_max`` (<= 1) and
+``whitebox_over_claimed`` (at eps = 4).
 
 ``clip`` rows: the eps = 4 developer setting for each clip norm of ``clip_grid`` (same noise
 seeds; reading aid only, a release cannot tune C on its data), and ``top1_clipped_noise_free``,
-the same clipped sums without noise.
+the same clipped sums without noise. ``noise_diagnosis`` rows (eps = 4, the main rows' own
+noise): ``plain`` (the released cosine, = ``top1_eps4``), ``true_norm`` (projection over the
+noise-free norm, an oracle), ``debiased_norm`` (the library's ``"debiased"`` score) and
+``query_in_dev_span`` (the user's query projected on the span of the noise-free developer
+specs, an oracle; ``query_norm_in_dev_span`` is the unit query's median norm in that span).
 
-What limits accuracy: the noise. Clipping costs nothing (the clipped recipe, noise-free, ranks
-better than the unclipped one: 0.873 against 0.835 on the full market), and the rank matters
-little: a user ranks developers by the projection of each noisy spec on the user's own
-direction, whose noise has std sigma C in any dimension. The signal is the clipped sum of
-128-192 per-example gradients that partly cancel. On the full market at eps = 4 the developer
-setting reaches 0.780 (10 draws, std 0.048), 9.3 points below the clipped baseline; the
-``data_scale`` projection needs four times the spec data to come within 3 points (0.847).
-The ``rank`` rows at eps = 4 (full market, 10 draws each, std 0.03-0.04): rank 2 / 4 / 8 / 16
-/ 32 give 0.742 / 0.764 / 0.771 / 0.776 / 0.792 against non-private 0.846 / 0.842 / 0.873 /
-0.877 / 0.883, a gap of 8-10 points at every rank; the differences between ranks are within
-the spread over noise draws. Few-shot user specs (20-50 examples, setting ``both``) are
-dominated by noise at every eps <= 8.
+Data-scale part (``part == "data_scale"`` rows; measured, it replaces the former projection
+that shrank the noise by k): a market of the sentiment domains (movie, amazon, nyt, tweets) and
+BBC (full mode), built one domain at a time (:func:`build_data_scale_market`: a market's
+``train_per_class`` is one number every domain must supply, and BBC's smallest training class
+holds 270), good, undertrained and corrupted developers per domain, few-shot users as in the
+main part (10 shots per class). Each developer holds ``max(ns)`` spec examples where its
+domain's training split allows (a two-class developer: up to twice the domain's smallest class,
+movie 6994, amazon 1728, nyt 1662, tweets 1522, BBC 540 or 810), and the cells with n above
+that are capped: such a developer releases its spec of all it holds (``capped_developers``,
+``n_min``, ``n_mean`` in the rows; ``data_scale_capped`` names them per n). Each developer's
+model is trained on its whole pool (the tuned head recipe), and its spec at n uses the first n
+of those examples (a seeded class-balanced order, :func:`stratified_order`): so the accuracy
+matrix (the oracle) is the same at every n and only the spec data varies, and one pass of
+per-example gradients over the largest set gives every n, since clipping is per example and the
+clipped sum of the first n examples is exact (:class:`_spec_sums.ClippedPrefixSums`;
+``parity_data_scale``, full mode, checks it against ``generate_spec`` on one developer). Users
+keep their non-private query (the ``dev`` setting). Rows: top-1 at eps in ``epsilons`` (1, 2,
+4, 8) and non-private (eps = inf) for every n, for the cosine and both noise-aware scores
+(each n its own 60 draws). Summary: ``top1_nonprivate_n{n}``, ``top1_eps{e}_n{n}`` (cosine)
+with ``_se``, ``top1_eps{e}_best_n{n}`` (the best of the three scores), ``n_star_eps4`` (the
+smallest measured n whose best eps = 4 score is within 0.03 of the non-private one at that n;
+None if none), ``top1_eps4_n2048`` and ``top1_nonprivate_n2048`` (None when n = 2048 is not
+measured), ``data_scale_oracle_top1``, ``data_scale_random_top1``. Plot: top-1 vs n, one line
+per epsilon (and the better noise-aware score dashed), ``<stem>_data_scale.png`` next to the
+main figure (or the ``--plot`` path itself with ``--part data_scale``).
 
-More developer data, measured (``--train-per-class 256``: four times the full market's
-developer data, the same users; 33 minutes on 2 cores): ``top1_eps4`` 0.846 +- 0.014 against
-``top1_nonprivate`` 0.888 (0.762 / 0.795 / 0.839 / 0.861 at eps 0.5 / 1 / 2 / 8), 4.2 points,
-so still short of the target: the non-private baseline rises with the data too, which the
-projection above leaves out (it predicted 0.847 against an unchanged 0.873). That run's own
-projection asks for twice its data again. It cannot be measured further on this market: the
-smallest class of BBC's training split holds 270 articles, so 256 per class is already about
-the most the assets allow.
+Run time. ``--quick``: the quick identification market, 60 draws, 5k black-box audit runs and
+100k white-box runs, audits at eps 1 and 4 only; the quick data-scale market (movie, amazon,
+tweets; six developers; n in 128, 256, 512; 32 tokens). Full: the full market, 60 draws, 50k /
+1M audit runs at every eps, and the full data-scale market (20 developers; n in 256 ... 4096;
+48 tokens): about 39k per-example gradients through MiniLM for the data-scale part alone, so
+sized for one GPU (on 2 CPU cores, at the ~80-120 ms per example measured at 32 tokens under
+load, one to one and a half hours for that part; not run here).
 
-``noise_diagnosis`` rows (full market, eps = 4, the main rows' own noise, 10 draws): the
-released score gives 0.780; dividing by the noise-free norm instead of the noisy one 0.812;
-the releasable debiased norm 0.787; the user's query projected on the span of the noise-free
-developer specs 0.839 (std 0.012). The unit query has a median norm of 0.66 inside that span:
-the rest, the few-shot sample's own directions, carries no signal but picks up the developers'
-noise. Even this oracle, which no release allows, stays 3.4 points below the non-private
-0.873.
+Figures from the former runs (3 draws quick, 10 full; the full market's developers then
+trained with the constant-rate Adam recipe, not the tuned one; kept for reference until a full
+re-run): clipping cost nothing (the clipped recipe, noise-free, ranked better than the
+unclipped one: 0.873 against 0.835), and the rank mattered little: a user ranks developers by
+the projection of each noisy spec on the user's own direction, whose noise has std sigma C in
+any dimension. At eps = 4 the developer setting reached 0.780 (10 draws, std 0.048), 9.3 points
+below the clipped baseline; rank 2 / 4 / 8 / 16 / 32 gave 0.742 / 0.764 / 0.771 / 0.776 /
+0.792 against non-private 0.846 / 0.842 / 0.873 / 0.877 / 0.883. Four times the developer data
+(``--train-per-class 256``, 33 minutes on 2 cores) gave ``top1_eps4`` 0.846 +- 0.014 against
+``top1_nonprivate`` 0.888 (0.762 / 0.795 / 0.839 / 0.861 at eps 0.5 / 1 / 2 / 8): the
+non-private baseline rises with the data too. Noise diagnosis at eps = 4: plain 0.780, true norm
+0.812, a debiased norm 0.787, the span query 0.839 (query norm in the span 0.66). Few-shot user
+specs (setting ``both``) were dominated by noise at every eps <= 8.
 """
 
 from __future__ import annotations
@@ -122,8 +151,8 @@ import numpy as np
 
 from pavejax import lora
 from pavejax.accounting import Ledger
-from pavejax.data import ranking_metrics
-from pavejax.experiments import build_market, evaluate_market
+from pavejax.data import load_task, ranking_metrics
+from pavejax.experiments import Market, MarketConfig, build_market, evaluate_market
 from pavejax.pave import spec as S
 from pavejax.pave.text import TextSpecBackbone
 from pavejax.privacy import per_example_norms, privatize_sum
@@ -136,6 +165,44 @@ SCORES = ("cosine", "debiased", "posterior")
 
 def _log(msg: str) -> None:
     print(f"[pave_privacy] {msg}", file=sys.stderr, flush=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class DataScaleConfig:
+    """The data-scale market: per domain, ``(domain, (good, undertrained, corrupted) developer
+    counts, users)``; each developer holds the spec data sizes ``ns`` (capped at its training
+    pool), and every cell is measured at each epsilon of ``epsilons`` and non-privately."""
+
+    domains: tuple[tuple[str, tuple[int, int, int], int], ...] = (
+        ("movie", (2, 1, 1), 4), ("amazon", (2, 1, 1), 4), ("nyt", (2, 1, 1), 4),
+        ("tweets", (2, 1, 1), 4), ("bbc", (2, 1, 1), 4))
+    ns: tuple[int, ...] = (256, 512, 1024, 2048, 4096)
+    epsilons: tuple[float, ...] = (1.0, 2.0, 4.0, 8.0)
+    shots_per_class: int = 10
+    test_per_class: int | None = 150
+    max_length: int = 48
+    seed: int = 0
+    # n_star: the private score within this of the non-private one at the same n
+    target_gap: float = 0.03
+    # check the prefix sums against generate_spec on one developer (one more compile)
+    parity: bool = True
+
+
+def make_data_scale_config(quick: bool) -> DataScaleConfig:
+    """The quick data-scale market or the full one (see the module docstring).
+
+    Quick: three sentiment domains, six developers (three good, one undertrained, two
+    corrupted) holding up to 512 examples, two users per domain, 32 tokens: 3072 per-example
+    gradients through MiniLM, about 80 ms each on 2 busy CPU cores, so n stops at 512 to keep
+    the part within about six minutes. Full: the four sentiment domains and BBC, four
+    developers each (two good, one undertrained, one corrupted), four users each, n up to
+    4096, 48 tokens."""
+    if quick:
+        return DataScaleConfig(
+            domains=(("movie", (1, 1, 0), 2), ("amazon", (1, 0, 1), 2),
+                     ("tweets", (1, 0, 1), 2)),
+            ns=(128, 256, 512), max_length=32, test_per_class=100, parity=False)
+    return DataScaleConfig()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -157,11 +224,11 @@ class Config:
     whitebox_steps: int = 4
     whitebox_epsilons: tuple[float, ...] = EPSILONS
     audit_epsilons: tuple[float, ...] = EPSILONS
-    data_scales: tuple[float, ...] = (2.0, 4.0, 8.0, 16.0)
     clip_grid: tuple[float, ...] = (0.5, 1.0, 2.0, 4.0)
     # also check the non-private generate_spec paths (one_step and one_step_clipped: two
     # compiles, ~15 s); the DP parity always runs and covers the clipped sum itself
     parity_nonprivate: bool = True
+    data_scale: DataScaleConfig = DataScaleConfig()
 
 
 def make_config(quick: bool, train_per_class: int | None = None) -> Config:
@@ -174,7 +241,7 @@ def make_config(quick: bool, train_per_class: int | None = None) -> Config:
     if quick:
         return Config(ident, audit_runs=5_000, whitebox_runs=100_000,
                       whitebox_epsilons=(1.0, 4.0), audit_epsilons=(1.0, 4.0),
-                      parity_nonprivate=False)
+                      parity_nonprivate=False, data_scale=make_data_scale_config(True))
     return Config(ident)
 
 
@@ -364,22 +431,6 @@ def _dev_draws(cfg: Config, devs, sigma: float, *, clip: float | None = None,
     ns = [d[2] for d in devs]
     seeds = _seed_matrix(cfg.repeats, [("dev", len(devs))])
     return release_draws(sums, ns, sigma * scale, c, seeds, cfg.draw_chunk)
-
-
-def data_scale_rows(cfg: Config, devs, base_users, acc, calibrated) -> list[dict[str, Any]]:
-    """Projection, not a measurement: developer specs at eps = 4 with noise sigma / k stand for
-    k times more spec data per developer with the same per-example gradient distribution (the
-    clipped sum grows k-fold, the noise does not). Says how much data the target needs."""
-    _, sigma, claimed = calibrated
-    rows = []
-    for k in cfg.data_scales:
-        vals = [_top1(cosine_scores(base_users, noisy), acc)[0]
-                for noisy in _dev_draws(cfg, devs, sigma, scale=1.0 / k)]
-        rows.append({"part": "data_scale", "setting": f"dev, data x{k:g} (projection)",
-                     "data_scale": k, "epsilon": 4.0, "claimed_epsilon": claimed, "rank": cfg.rank,
-                     "noise_multiplier": sigma / k, **_stats.stat_fields("top1_acc", vals),
-                     "repeats": cfg.repeats})
-    return rows
 
 
 def clip_rows(cfg: Config, devs, base_users, acc, calibrated) -> list[dict[str, Any]]:
@@ -597,7 +648,6 @@ def identification_rows(cfg: Config, market, acc, tb, a_key):
     calibrated = {eps: calibrate(tb, cfg, eps) for eps in cfg.epsilons}
     rows, curves, stats = private_rows(cfg, devs, users, acc, calibrated)
     if 4.0 in calibrated:
-        rows += data_scale_rows(cfg, devs, base_users, acc, calibrated[4.0])
         rows += clip_rows(cfg, devs, base_users, acc, calibrated[4.0])
         diag_rows, diag = noise_diagnosis_rows(cfg, devs, base_users, base_devs, acc,
                                                calibrated[4.0])
@@ -661,6 +711,250 @@ def parity(cfg: Config, market, tb, a_key, sums, devs, calibrated) -> dict[str, 
     return out
 
 
+# --- the data-scale market ----------------------------------------------------------------------
+
+
+def _domain_pool_per_class(domain: str, seed: int) -> tuple[int, int]:
+    """(classes, training examples of the domain's smallest class) of ``load_task(domain)``."""
+    task = load_task(domain, seed=seed)
+    return task.num_classes, int(min(task.train.counts(task.num_classes)))
+
+
+def build_data_scale_market(ds: DataScaleConfig, progress: bool = False
+                            ) -> tuple[Market, dict[str, Any]]:
+    """One market per domain of ``ds.domains`` (:func:`build_market`, tuned head recipe), each
+    with the per-class training pool that gives a developer of the smallest class subset
+    ``max(ds.ns)`` examples, capped at the domain's smallest training class; their developers
+    and users joined into one market (every developer is scored on every user's test set).
+
+    One market per domain because a market's ``train_per_class`` is one number that every
+    domain must supply, and the domains' training splits differ (BBC: 270 of its smallest
+    class). Dev and test examples are de-duplicated against their own domain's pool.
+
+    Returns (market, info): ``info["train_per_class"]`` per domain, ``info["pool_cap"]`` the
+    domains whose pool is capped by their training split."""
+    markets, tpc, capped = [], {}, []
+    n_max = max(ds.ns)
+    for domain, counts, n_users in ds.domains:
+        k, smallest = _domain_pool_per_class(domain, ds.seed)
+        per_class = -(-n_max // min(k, 2))  # subsets have 2 or more classes
+        tpc[domain] = min(per_class, smallest)
+        if per_class > smallest:
+            capped.append(domain)
+        total = sum(counts)
+        if total < 1 or counts[0] < 1:
+            raise ValueError(f"domain {domain!r} needs at least one good developer (users take "
+                             f"the good developers' tasks), got counts {counts}")
+        good, under, bad = (c / total for c in counts)
+        mc = MarketConfig(track="text", domains=(domain,), n_developers=total, n_users=n_users,
+                          shots_per_class=ds.shots_per_class, train_per_class=tpc[domain],
+                          test_per_class=ds.test_per_class, max_length=ds.max_length,
+                          seed=ds.seed, good_fraction=good, undertrained_fraction=under,
+                          corrupted_fraction=bad, developer_recipe="tuned")
+        markets.append(build_market(mc, progress=progress))
+    first = markets[0]
+    market = Market(first.config, tuple(d for m in markets for d in m.developers),
+                    tuple(u for m in markets for u in m.users), first.featurize, None,
+                    {"domains": tuple(d for d, _, _ in ds.domains)})
+    return market, {"train_per_class": tpc, "pool_cap": capped}
+
+
+def stratified_order(labels: np.ndarray, seed: int) -> np.ndarray:
+    """A seeded order of ``labels``' indices that takes the classes in turn (each class in a
+    random order, each round's classes in a random order), so every prefix is as balanced as
+    the classes allow."""
+    rng = np.random.default_rng(seed)
+    labels = np.asarray(labels)
+    key = np.empty(len(labels))
+    for c in np.unique(labels):
+        idx = np.flatnonzero(labels == c)
+        key[idx[rng.permutation(len(idx))]] = np.arange(len(idx))
+    key += rng.random(len(labels))  # the order of the classes within a round
+    return np.argsort(key, kind="stable")
+
+
+def data_scale_sums(ds: DataScaleConfig, market: Market, sums: _spec_sums.ClippedPrefixSums):
+    """Per developer: ({n: clipped sum of its first n examples} for every n of ``ds.ns`` it
+    holds and for its whole set, the number of examples it holds, its gradient norms), the
+    examples in :func:`stratified_order` of its labels; per user: (clipped sum of its shots, n).
+    One pass of per-example gradients per data set."""
+    devs, users = [], []
+    for j, d in enumerate(market.developers):
+        order = stratified_order(d.train.labels, ds.seed * 1_000 + j)
+        texts = [d.train.inputs[i] for i in order]
+        targets = S.soft_targets(d.logits(texts))
+        prefix, norms = sums(texts, targets, d.classes, [*ds.ns, len(texts)])
+        devs.append((prefix, len(texts), norms))
+    for u in market.users:
+        texts = list(u.few_shot.inputs)
+        prefix, _ = sums(texts, S.hard_targets(u.few_shot.labels, len(u.classes)), u.classes,
+                         [len(texts)])
+        users.append((prefix[len(texts)], len(texts)))
+    return devs, users
+
+
+def data_scale_rows(cfg: Config, devs, users, acc: np.ndarray, calibrated: dict[float, tuple],
+                    names: Sequence[str]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Top-1 at every (n, epsilon) of the data-scale market from prefix sums computed once
+    (``devs``, ``users`` of :func:`data_scale_sums`; no gradient here). Developer j at n
+    releases ``-(S_j(n_j) + N(0, (sigma C)^2 I)) / n_j`` with ``n_j = min(n, its examples)``;
+    users keep their non-private clipped query (the ``dev`` setting). Over ``cfg.repeats`` draws
+    scored by every method of :data:`SCORES` (paired). Each n draws its own noise (seeds
+    offset by 10^6 per n), shared by the epsilons of that n as the main rows share theirs.
+    ``eps = inf`` rows are the non-private clipped specs.
+
+    Returns (rows, summary): rows with ``n`` (nominal), ``n_mean`` / ``n_min`` (held),
+    ``capped_developers`` (those holding fewer than n); summary keys ``top1_nonprivate_n{n}``,
+    ``top1_eps{e}_n{n}`` (cosine), ``top1_eps{e}_best_n{n}`` (the best of the three scores),
+    ``n_star_eps4`` (the smallest n whose best eps = 4 score is within ``target_gap`` of the
+    non-private one at that n; None if none), ``top1_eps4_n2048``, ``top1_nonprivate_n2048``
+    (None when n = 2048 was not measured) and ``data_scale_capped`` ({n: capped developers})."""
+    ds = cfg.data_scale
+    base_users = np.stack([-s / n for s, n in users])
+    held = np.asarray([n for _, n, _ in devs])
+    base_seeds = _seed_matrix(cfg.repeats, [("dev", len(devs))])
+    rows, summary, capped, star = [], {}, {}, None
+    for k, n in enumerate(ds.ns):
+        seeds = base_seeds + 1_000_000 * (k + 1)
+        n_j = np.minimum(n, held)
+        sums = [{"spec": prefix[int(m)]} for (prefix, _, _), m in zip(devs, n_j, strict=True)]
+        clean = np.stack([-s["spec"] / m for s, m in zip(sums, n_j, strict=True)])
+        cap = [names[j] for j in np.flatnonzero(held < n)]
+        if cap:
+            capped[str(n)] = cap
+        cell = {"part": "data_scale", "n": n, "n_mean": float(n_j.mean()), "n_min": int(n_j.min()),
+                "capped_developers": len(cap), "rank": cfg.rank}
+        top1_np = _top1(cosine_scores(base_users, clean), acc)[0]
+        rows.append(cell | {"setting": "dev, nonprivate", "epsilon": math.inf,
+                            "top1_acc": top1_np})
+        summary[f"top1_nonprivate_n{n}"] = top1_np
+        for eps in ds.epsilons:
+            _, sigma, claimed = calibrated[eps]
+            noise_std = sigma * cfg.l2_clip / n_j.astype(np.float64)
+            vals = {s: [] for s in SCORES}
+            for noisy in release_draws(sums, n_j, sigma, cfg.l2_clip, seeds, cfg.draw_chunk):
+                for method, sc in scores_by_method(base_users, noisy, noise_std).items():
+                    vals[method].append(_top1(sc, acc)[0])
+            per = {m: np.asarray(v) for m, v in vals.items()}
+            row = cell | {"setting": "dev", "epsilon": eps, "claimed_epsilon": claimed,
+                          "noise_multiplier": sigma}
+            for m in SCORES:
+                row |= _stats.stat_fields("top1_acc" if m == "cosine" else f"top1_acc_{m}",
+                                          per[m])
+            for m in SCORES[1:]:
+                d = _stats.summarize(per[m] - per["cosine"])
+                row |= {f"{m}_minus_cosine": d["mean"], f"{m}_minus_cosine_se": d["se"]}
+            rows.append(row | {"repeats": cfg.repeats})
+            best = max(float(per[m].mean()) for m in SCORES)
+            summary[f"top1_eps{eps:g}_n{n}"] = float(per["cosine"].mean())
+            summary[f"top1_eps{eps:g}_n{n}_se"] = _stats.summarize(per["cosine"])["se"]
+            summary[f"top1_eps{eps:g}_best_n{n}"] = best
+            if eps == 4.0 and star is None and top1_np - best <= ds.target_gap:
+                star = n
+        _log(f"data scale n={n}: non-private {top1_np:.3f}, "
+             + ", ".join(f"eps {e:g} {summary[f'top1_eps{e:g}_n{n}']:.3f}"
+                         for e in ds.epsilons))
+    summary |= {"n_star_eps4": star if 4.0 in ds.epsilons else None,
+                "top1_eps4_n2048": summary.get("top1_eps4_n2048"),
+                "top1_nonprivate_n2048": summary.get("top1_nonprivate_n2048"),
+                "data_scale_capped": capped}
+    return rows, summary
+
+
+def data_scale_parity(cfg: Config, market: Market, tb: TextSpecBackbone, a_key: jax.Array,
+                      devs) -> float:
+    """Max |prefix spec - generate_spec| / max |generate_spec| for developer 0 at the smallest
+    n: the non-private ``one_step_clipped`` spec of its first n examples (the benchmark's
+    order) against ``-S(n) / n``."""
+    ds, d = cfg.data_scale, market.developers[0]
+    prefix, held, _ = devs[0]
+    n = min(min(ds.ns), held)
+    order = stratified_order(d.train.labels, ds.seed * 1_000)[:n]
+    texts = [d.train.inputs[i] for i in order]
+    clipped = S.SpecConfig.preset("one_step_clipped", rank=cfg.rank, example_clip=cfg.l2_clip,
+                                  progress=False)
+    res = tb.model_spec(texts, d.logits(texts), d.classes, a_key, clipped)
+    fast = (-prefix[n] / n).astype(np.float32)
+    return float(np.abs(res.spec.vector - fast).max() / np.abs(res.spec.vector).max())
+
+
+def _plot_data_scale(rows: list[dict[str, Any]], path: Path) -> str | None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    fig, ax = plt.subplots(figsize=(6.5, 4.5))
+    cells = [r for r in rows if r["part"] == "data_scale"]
+    ns = sorted({r["n"] for r in cells})
+    for i, eps in enumerate(sorted({r["epsilon"] for r in cells})):
+        pts = sorted((r["n"], r) for r in cells if r["epsilon"] == eps)
+        if math.isinf(eps):
+            ax.plot(ns, [r["top1_acc"] for _, r in pts], "k-o", label="non-private")
+            continue
+        color = f"C{i}"
+        ax.errorbar(ns, [r["top1_acc"] for _, r in pts],
+                    yerr=[1.96 * r["top1_acc_se"] for _, r in pts], color=color, marker="o",
+                    capsize=3, label=f"eps {eps:g}, cosine")
+        best = [max(r["top1_acc_debiased"], r["top1_acc_posterior"]) for _, r in pts]
+        ax.plot(ns, best, color=color, linestyle="--", marker="s",
+                label=f"eps {eps:g}, better noise-aware")
+    ax.set(xscale="log", xlabel="spec examples per developer (n)", ylabel="top-1 reuse accuracy",
+           title="identification vs developer data (DP developer specs)")
+    ax.set_xticks(ns, [str(n) for n in ns])
+    ax.minorticks_off()
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return str(path)
+
+
+def data_scale_part(cfg: Config, plot: Path | None) -> tuple[list[dict[str, Any]],
+                                                              dict[str, Any]]:
+    """The data-scale market end to end: build, one pass of prefix sums, the rows, the plot."""
+    ds = cfg.data_scale
+    t0 = time.perf_counter()
+    market, info = build_data_scale_market(ds)
+    acc = evaluate_market(market)
+    t_market = time.perf_counter() - t0
+    _log(f"data-scale market: {len(market.developers)} developers, {len(market.users)} users "
+         f"({t_market:.0f} s)")
+    tb = TextSpecBackbone(max_length=ds.max_length)
+    a_key = jax.random.key(cfg.ident.a_seed)
+    lcfg = lora.LoraConfig(cfg.rank)
+    _, A = lora.init_lora(a_key, tb.backbone.params, tb.predicate, lcfg)
+    t1 = time.perf_counter()
+    sums = _spec_sums.ClippedPrefixSums(tb, A, clip=cfg.l2_clip, microbatch=cfg.microbatch,
+                                        scale=lcfg.scale)
+    devs, users = data_scale_sums(ds, market, sums)
+    t_sums = time.perf_counter() - t1
+    _log(f"data-scale prefix sums of {sum(n for _, n, _ in devs)} developer examples "
+         f"({t_sums:.0f} s)")
+    calibrated = {eps: calibrate(tb, cfg, eps) for eps in ds.epsilons}
+    names = [d.name for d in market.developers]
+    rows, summary = data_scale_rows(cfg, devs, users, acc, calibrated, names)
+    norms = np.concatenate([v for _, _, v in devs])
+    summary |= {"data_scale_developers": names,
+                "data_scale_examples_held": {nm: n for nm, (_, n, _) in zip(names, devs,
+                                                                            strict=True)},
+                "data_scale_train_per_class": info["train_per_class"],
+                "data_scale_pool_capped_domains": info["pool_cap"],
+                "data_scale_oracle_top1": float(np.mean(acc.max(axis=1))),
+                "data_scale_random_top1": float(np.mean(acc)),
+                "data_scale_median_grad_norm": float(np.median(norms)),
+                "data_scale_fraction_clipped": float(np.mean(norms > cfg.l2_clip)),
+                "seconds_data_scale_market": t_market, "seconds_data_scale_sums": t_sums}
+    if ds.parity:
+        summary["parity_data_scale"] = data_scale_parity(cfg, market, tb, a_key, devs)
+    if plot is not None:
+        summary["plot_data_scale"] = _plot_data_scale(rows, plot)
+    summary["seconds_data_scale"] = time.perf_counter() - t0
+    return rows, summary
+
+
 def _plot(curves, rank_curve, extra, audit_rows, path: Path) -> str | None:
     try:
         import matplotlib
@@ -713,7 +1007,9 @@ def _plot(curves, rank_curve, extra, audit_rows, path: Path) -> str | None:
     return str(path)
 
 
-def run(cfg: Config, out: Path | None, plot: Path | None, *, quick: bool) -> dict[str, Any]:
+def main_part(cfg: Config, plot: Path | None) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """The identification market's rows (private, rank, clip, noise diagnosis), the parity
+    checks and the audits; (rows, summary)."""
     t0 = time.perf_counter()
     market = build_market(cfg.ident.market, progress=False)
     acc = evaluate_market(market)
@@ -739,40 +1035,69 @@ def run(cfg: Config, out: Path | None, plot: Path | None, *, quick: bool) -> dic
                "audit_over_claimed_max": max(r["audit_over_claimed"] for r in private),
                "whitebox_over_claimed": wb.get(4.0, max(wb.values())),
                "seconds_market": t_market, "seconds_audits": t_audit,
-               "seconds_total": time.perf_counter() - t0}
+               "seconds_main": time.perf_counter() - t0}
     if summary["top1_eps4"] is not None:
         summary["target_met"] = bool(summary["top1_nonprivate"] - summary["top1_eps4"] <= 0.03)
         summary["target_met_noiseaware"] = bool(
             summary["top1_nonprivate"] - summary["top1_eps4_noiseaware"] <= 0.03)
-        enough = [r["data_scale"] for r in rows if r["part"] == "data_scale"
-                  and summary["top1_nonprivate"] - r["top1_acc"] <= 0.03]
-        summary["data_scale_for_target"] = min(enough) if enough else None
     if plot is not None:
         summary["plot"] = _plot(curves, rank_curve, extra, audit_rows, plot)
-    config = {"market": dataclasses.asdict(cfg.ident.market), "a_seed": cfg.ident.a_seed,
+    return rows + audit_rows, summary
+
+
+PARTS = ("all", "main", "data_scale")
+
+
+def run(cfg: Config, out: Path | None, plot: Path | None, *, quick: bool,
+        part: str = "all") -> dict[str, Any]:
+    """Runs ``part`` (``"main"``: the identification market, its private rows and the audits;
+    ``"data_scale"``: the data-scale market; ``"all"``: both) and emits one result. ``plot``:
+    the main figure's PNG; the data-scale figure goes next to it (``<stem>_data_scale.png``), or
+    to ``plot`` itself when only that part runs.
+
+    Raises:
+      ValueError: ``part`` is not one of :data:`PARTS`.
+    """
+    if part not in PARTS:
+        raise ValueError(f"part must be one of {PARTS}, got {part!r}")
+    t0 = time.perf_counter()
+    rows, summary = [], {}
+    if part in ("all", "main"):
+        rows, summary = main_part(cfg, plot)
+    if part in ("all", "data_scale"):
+        ds_plot = plot if part == "data_scale" or plot is None else plot.with_name(
+            f"{plot.stem}_data_scale.png")
+        ds_rows, ds_summary = data_scale_part(cfg, ds_plot)
+        rows, summary = rows + ds_rows, summary | ds_summary
+    summary["seconds_total"] = time.perf_counter() - t0
+    config = {"part": part, "market": dataclasses.asdict(cfg.ident.market),
+              "a_seed": cfg.ident.a_seed,
               "spec_recipe": "one_step_clipped (private: one_step + PrivacyConfig)",
               "private_settings": ["dev", "both"],
               **{f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)
-                 if f.name != "ident"},
-              "quick": quick}
-    all_rows = rows + audit_rows
-    columns = list(dict.fromkeys(k for r in all_rows for k in r))
-    all_rows = [{c: r.get(c) for c in columns} for r in all_rows]  # one table, blanks = None
-    return _common.emit("pave_privacy", config, all_rows, summary, out)
+                 if f.name not in ("ident", "data_scale")},
+              "data_scale": dataclasses.asdict(cfg.data_scale), "quick": quick}
+    columns = list(dict.fromkeys(k for r in rows for k in r))
+    rows = [{c: r.get(c) for c in columns} for r in rows]  # one table, blanks = None
+    return _common.emit("pave_privacy", config, rows, summary, out)
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     def extra(p):
         p.add_argument("--plot", type=Path, default=None,
                        help="PNG path (default: --out with .png)")
+        p.add_argument("--part", choices=PARTS, default="all",
+                       help="main: the identification market's rows and the audits; "
+                       "data_scale: the data-scale market alone; all (default): both")
         p.add_argument("--train-per-class", type=int, default=None,
-                       help="developer training (and spec) examples per class instead of the "
-                       "identification market's (64 full, 32 quick): measures what more "
-                       "developer data buys, which the data_scale rows only project")
+                       help="developer training (and spec) examples per class in the main "
+                       "part's market instead of the identification market's (64 full, 32 "
+                       "quick)")
 
     args = _common.parse_args(__doc__.splitlines()[0], argv, extra=extra)
     plot = args.plot or (args.out.with_suffix(".png") if args.out else None)
-    return run(make_config(args.quick, args.train_per_class), args.out, plot, quick=args.quick)
+    return run(make_config(args.quick, args.train_per_class), args.out, plot, quick=args.quick,
+               part=args.part)
 
 
 if __name__ == "__main__":

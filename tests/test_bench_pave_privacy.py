@@ -192,3 +192,76 @@ def test_release_draws_equal_the_one_at_a_time_release(pp):
                                        atol=1e-6)
     with pytest.raises(ValueError, match="seeds must be"):
         next(pp.release_draws(sums, ns, 0.7, 2.0, seeds[:, :2]))
+
+
+def test_data_scale_rows_cap_developers_and_find_n_star(pp, monkeypatch):
+    """Developer j's clipped sum over its first n examples is n e_j (unit per-example
+    gradients along its own axis), so its released spec is -e_j plus noise of std sigma C / n:
+    noise-dominated at n = 16, clean at n = 256. Developer 2 holds 128 examples only."""
+    _no_gradients(pp, monkeypatch)
+    dim, sigma = 300, 8.0
+    ds = dataclasses.replace(pp.make_data_scale_config(quick=True), ns=(16, 256),
+                             epsilons=(4.0,))
+    cfg = dataclasses.replace(pp.make_config(quick=True), data_scale=ds)
+    eye = np.eye(dim)
+    held = [256, 256, 128]
+    devs = [({n: n * eye[j] for n in (16, 128, 256) if n <= held[j]}, held[j], np.ones(held[j]))
+            for j in range(3)]
+    # user i prefers developer i by a clear margin; a part of its query is off the span
+    weights = np.array([[1.0, 0.5, 0.5], [0.5, 1.0, 0.5], [0.5, 0.5, 1.0]])
+    queries = -(weights @ eye[:3] + eye[3 + np.arange(3)])
+    users = [(-q * 10, 10) for q in queries]
+    acc = np.where(np.eye(3) > 0, 0.9, 0.5)
+    names = ["a", "b", "c"]
+    rows, summary = pp.data_scale_rows(cfg, devs, users, acc, {4.0: (None, sigma, 4.0)}, names)
+    assert len(rows) == 4  # per n: non-private and eps = 4
+    by = {(r["n"], r["epsilon"]): r for r in rows}
+    assert by[(256, 4.0)]["capped_developers"] == 1 and by[(256, 4.0)]["n_min"] == 128
+    assert by[(256, 4.0)]["n_mean"] == pytest.approx((256 + 256 + 128) / 3)
+    assert by[(16, 4.0)]["capped_developers"] == 0
+    assert summary["data_scale_capped"] == {"256": ["c"]}
+    for n in (16, 256):
+        assert summary[f"top1_nonprivate_n{n}"] == pytest.approx(0.9)
+        assert by[(n, 4.0)]["repeats"] == cfg.repeats >= 60
+    # n = 16: score noise sigma / n = 0.5 per unit query against a margin of 0.32
+    assert summary["top1_eps4_best_n16"] < 0.8
+    # n = 256 (developer 2 at 128): noise <= 0.0625, the margin five times that
+    assert summary["top1_eps4_n256"] >= 0.89
+    assert summary["n_star_eps4"] == 256
+    assert summary["top1_eps4_n2048"] is None and summary["top1_nonprivate_n2048"] is None
+
+
+def test_prefix_sums_are_the_sums_of_the_first_n_clipped_gradients(pp, monkeypatch):
+    from types import SimpleNamespace
+
+    ss = pp._spec_sums
+    rng = np.random.default_rng(5)
+    g = rng.normal(size=(10, 6))
+
+    def batches(tb, texts, targets, size):
+        for i in range(0, len(texts), size):
+            idx = np.arange(i, min(i + size, len(texts)))
+            real = len(idx)
+            yield np.concatenate([idx, np.repeat(idx[:1], size - real)]), None, real
+
+    monkeypatch.setattr(ss, "microbatches", batches)
+    sums = ss.ClippedPrefixSums.__new__(ss.ClippedPrefixSums)
+    sums.tb, sums.microbatch = SimpleNamespace(head=lambda classes: None), 4
+    sums._clipped = lambda head, idx, mask: (g[idx], np.linalg.norm(g[idx], axis=1))
+    out, norms = sums(list("abcdefghij"), None, ("x", "y"), [3, 4, 9, 10, 12])
+    assert sorted(out) == [3, 4, 9, 10]  # 12 > the 10 examples held
+    for n, v in out.items():
+        np.testing.assert_allclose(v, g[:n].sum(axis=0))
+    np.testing.assert_allclose(norms, np.linalg.norm(g, axis=1))
+    with pytest.raises(ValueError, match="positive"):
+        sums(list("ab"), None, ("x", "y"), [0])
+
+
+def test_stratified_order_balances_every_prefix(pp):
+    labels = np.array([0] * 30 + [1] * 10 + [2] * 20)
+    order = pp.stratified_order(labels, seed=4)
+    assert sorted(order) == list(range(60))
+    for n in range(1, 31):  # while every class still has examples: within one of n / 3
+        counts = np.bincount(labels[order[:n]], minlength=3)
+        assert counts.max() - counts.min() <= 1
+    assert not np.array_equal(order, pp.stratified_order(labels, seed=5))
