@@ -260,3 +260,40 @@ def test_bad_subspaces_are_refused(toy):
         # over the K = 2 classes: one direction, whatever the data
         x = {"x": np.random.default_rng(0).normal(size=(8, D_IN)).astype(np.float32)}
         sub_lib.calibrated(_logits, params, _kernels, x, sub_lib.random_targets(8, K), 2)
+
+
+def test_dock_stores_the_subspace_and_refuses_specs_of_another(toy, tmp_path):
+    from pavejax.pave.dock import Dock, DockError
+
+    params = toy["bb"].params
+    u = sub_lib.random_projection(params, _kernels, 2, seed=11)
+    dock = Dock.create(tmp_path / "dock", subspace=u)
+    assert dock.subspace == u
+    cfg = S.SpecConfig.preset("quick", rank=2, steps=3, progress=False, subspace=dock.subspace)
+    spec = S.generate_spec(_logits, toy["bb"], _kernels, toy["inputs"], toy["targets"],
+                           dock.a_key(), cfg).spec
+    dock.submit(spec, name="dev")
+    reopened = Dock.open(tmp_path / "dock")
+    assert reopened.subspace == u and reopened.search(spec, k=1).names == ("dev",)
+    whole = S.generate_spec(_logits, toy["bb"], _kernels, toy["inputs"], toy["targets"],
+                            dock.a_key(), dataclasses.replace(cfg, subspace=None)).spec
+    other = S.generate_spec(_logits, toy["bb"], _kernels, toy["inputs"], toy["targets"],
+                            dock.a_key(), dataclasses.replace(
+                                cfg, subspace=sub_lib.random_projection(params, _kernels, 2,
+                                                                        seed=12))).spec
+    for bad in (whole, other):
+        with pytest.raises(SpecMismatchError, match="subspace"):
+            reopened.submit(bad, name="intruder")
+        with pytest.raises(SpecMismatchError, match="subspace"):
+            reopened.search(bad, k=1)
+    assert len(reopened) == 1  # nothing was lost or added
+    with pytest.raises(DockError, match="another coordinate subspace"):
+        Dock.create(tmp_path / "dock", subspace=None, exist_ok=True)
+    # a dock without a subspace refuses coordinate specs on the first submit
+    plain = Dock.create(tmp_path / "plain")
+    with pytest.raises(SpecMismatchError, match="no coordinate subspace"):
+        plain.submit(spec, name="dev")
+    # altered subspace files are detected
+    (tmp_path / "dock" / "subspace" / "subspace.json").write_text("{}")
+    with pytest.raises(DockError, match="subspace"):
+        _ = Dock.open(tmp_path / "dock").subspace

@@ -6,6 +6,9 @@ Layout of a dock directory::
     tensors/<id>/spec   Orbax checkpoint of the spec vector
     tensors/<id>/model  Orbax checkpoint of the model params (optional)
     secret/a_key        256-bit random seed of the dock's A key (mode 0600)
+    subspace/           the public coordinate subspace U, if the dock has one
+                        (:mod:`pavejax.pave.subspace`; its hash is in the index and in every
+                        spec's signature)
 
 Threat model. Specs are comparable only if every developer and user builds ``A`` from the same
 key, so the dock lends :meth:`Dock.a_key` to the developers and users it admits. The dock
@@ -60,7 +63,8 @@ from pavejax.pave._dock_io import (
     transaction,
 )
 from pavejax.pave.search import SCORE_TEMPERATURE, SearchResult, scores_from_cosines
-from pavejax.spec_types import PaveSpec, SpecSignature
+from pavejax.pave.subspace import Subspace
+from pavejax.spec_types import PaveSpec, SpecMismatchError, SpecSignature
 
 if TYPE_CHECKING:
     from pavejax.pave.reuse import Reused
@@ -93,18 +97,27 @@ class Dock:
 
     @classmethod
     def create(cls, path: str | os.PathLike[str], *, signature: SpecSignature | None = None,
-               exist_ok: bool = False) -> Dock:
+               subspace: Subspace | None = None, exist_ok: bool = False) -> Dock:
         """Create a dock at ``path`` (a new or empty dir); ``signature`` fixes the spec space
-        now, otherwise the first submit locks it. ``exist_ok`` opens an existing dock instead
-        (checking ``signature`` against it)."""
+        now, otherwise the first submit locks it. ``subspace``: the public coordinate subspace
+        ``U`` of the dock's specs (stored with the dock, :attr:`subspace`; every spec must be
+        made with ``SpecConfig(subspace=dock.subspace)``); None for whole-block specs.
+        ``exist_ok`` opens an existing dock instead (checking ``signature`` and ``subspace``
+        against it)."""
         path = Path(path)
         if signature is not None and not isinstance(signature, SpecSignature):
             raise TypeError(f"signature must be a SpecSignature, got {type(signature).__name__}")
+        if subspace is not None and not isinstance(subspace, Subspace):
+            raise TypeError(f"subspace must be a pavejax.pave.subspace.Subspace, got "
+                            f"{type(subspace).__name__}")
         if (path / "index.sqlite").exists():
             if not exist_ok:
                 raise FileExistsError(f"{path} is already a dock; use Dock.open(path) or "
                                       f"Dock.create(path, exist_ok=True)")
             dock = cls.open(path)
+            if dock._subspace_hash() != (None if subspace is None else subspace.hash):
+                raise DockError(f"the dock at {path} has another coordinate subspace "
+                                f"({dock._subspace_hash() or 'none'}) than the one given")
             if signature is not None:
                 dock._lock_signature(signature)
             return dock
@@ -118,6 +131,8 @@ class Dock:
             f.write(secrets.token_hex(32))
             f.flush()
             os.fsync(f.fileno())
+        if subspace is not None:
+            subspace.save(path / "subspace")
         conn = connect(path / "index.sqlite")
         with transaction(conn):
             for statement in filter(str.strip, SCHEMA.split(";")):
@@ -125,6 +140,8 @@ class Dock:
             conn.executemany("INSERT OR IGNORE INTO meta VALUES (?, ?)",
                              [("format", FORMAT), ("version", str(VERSION)),
                               ("generation", "0")])
+            if subspace is not None:
+                conn.execute("INSERT INTO meta VALUES ('subspace', ?)", (subspace.hash,))
         dock = cls(path, conn)
         if signature is not None:
             dock._lock_signature(signature)
@@ -180,11 +197,42 @@ class Dock:
         row = self._conn.execute("SELECT value FROM meta WHERE key = 'signature'").fetchone()
         return None if row is None else SpecSignature.from_dict(json.loads(row[0]))
 
+    def _subspace_hash(self) -> str | None:
+        row = self._conn.execute("SELECT value FROM meta WHERE key = 'subspace'").fetchone()
+        return None if row is None else row[0]
+
+    @property
+    def subspace(self) -> Subspace | None:
+        """The dock's public coordinate subspace ``U`` (None: whole-block specs). Pass it to
+        ``SpecConfig(subspace=...)`` for every spec of this dock. Loaded from the dock and
+        checked against the hash in its index."""
+        expected = self._subspace_hash()
+        if expected is None:
+            return None
+        try:
+            sub = Subspace.load(self.path / "subspace")
+        except ValueError as e:
+            raise DockError(f"the dock's subspace files are unreadable or altered ({e}); "
+                            f"restore {self.path / 'subspace'} from a backup") from None
+        if sub.hash != expected:
+            raise DockError(f"the subspace stored in {self.path / 'subspace'} is not the one "
+                            f"this dock was created with; restore it from a backup")
+        return sub
+
     def _lock_signature(self, signature: SpecSignature) -> None:
         with transaction(self._conn):
             self._check_or_lock(signature, what="signature")
 
     def _check_or_lock(self, signature: SpecSignature, *, what: str) -> None:
+        expected = self._subspace_hash() or "identity"
+        if signature.subspace != expected:
+            have = ("whole B blocks" if signature.subspace == "identity" else
+                    f"coordinates of subspace {signature.subspace[:12]}")
+            want = ("whole B blocks (this dock has no coordinate subspace)"
+                    if expected == "identity" else
+                    f"coordinates of its subspace {expected[:12]}: make it with "
+                    f"SpecConfig(subspace=dock.subspace)")
+            raise SpecMismatchError(f"the {what} holds {have}, but this dock takes {want}")
         current = self.signature
         if current is None:
             self._conn.execute("INSERT INTO meta VALUES ('signature', ?)",
