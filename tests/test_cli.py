@@ -288,6 +288,35 @@ def test_spec_model_and_user_side_in_the_dock_space(work, dock):
 
 
 @real
+def test_coordinate_dock_from_the_command_line(work, models, dock):
+    """A dock with a public random subspace: its specs release r x k coordinates per kernel,
+    carry the subspace's hash, and a whole-block spec is refused."""
+    from pavejax.pave.dock import Dock
+    from pavejax.release import load_spec
+
+    d = work / "coord_dock"
+    rc, out, err = cli("dock", "init", d, "--subspace", "random:4:1", "--layers", "5")
+    assert rc == 0 and "Coordinate subspace" in out, err
+    model = ok_json("spec", "--dock", d, "--model", work / "m1", "--examples", "16", "--out",
+                    work / "c_m1")
+    user = ok_json("spec", "--dock", d, "--user-task", "nyt", "--shots", "2", "--seq-len", "16",
+                   "--out", work / "c_user")
+    assert model["dim"] == user["dim"] == 8 * 4 * 2  # rank 8, k 4, query and value of layer 5
+    assert model["layers"] == [5] and model["guarantee"]["kind"] == "dp"
+    with Dock.open(d) as opened:
+        h = opened.subspace.hash
+    assert load_spec(work / "c_m1").signature.subspace == h
+    rc, out, err = cli("dock", "submit", d, work / "c_m1", "--name", "m1")
+    assert rc == 0, err
+    rc, out, err = cli("dock", "search", d, work / "c_user", "-k", "1", "--json")
+    assert rc == 0 and json.loads(out)[0]["name"] == "m1", err
+    rc, out, err = cli("dock", "submit", d, work / "s_m1", "--name", "whole")  # whole blocks
+    assert rc == 1 and "subspace" in err
+    rc, _, err = cli("dock", "init", work / "bad", "--subspace", "random")
+    assert rc == 1 and "random:K" in err
+
+
+@real
 def test_dock_commands_search_list_show(work, dock):
     d, _ = dock
     rc, out, err = cli("dock", "search", d, work / "s_user", "-k", "2", "--json")

@@ -22,6 +22,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     init = sub.add_parser("init", help="create an empty dock (and its secret A key)")
     init.add_argument("dock", type=Path, help="dock directory to create")
     init.add_argument("--exist-ok", action="store_true", help="open it if it already exists")
+    init.add_argument("--subspace", default=None, metavar="KIND:K[:SEED]",
+                      help="store a public coordinate subspace U with the dock: every spec then "
+                      "releases the coordinates C = B U (r x k per kernel) instead of the whole B "
+                      "blocks. 'random:K[:SEED]' (a public random projection) or 'calibrated:K' "
+                      "(top-K gradient directions on public Wikipedia text, SQuAD v1.1 dev "
+                      "contexts; needs 'pavejax assets --with squad'). Default: none")
+    init.add_argument("--layers", default="4,5",
+                      help="with --subspace: the encoder layers whose query/value kernels the "
+                      "specs adapt (default %(default)s)")
+    init.add_argument("--seq-len", type=int, default=32,
+                      help="with --subspace calibrated: tokens per public text (default "
+                      "%(default)s)")
     submit = sub.add_parser("submit", help="store a model-side spec release (and a model)")
     submit.add_argument("dock", type=Path)
     submit.add_argument("spec", type=Path, help="spec release directory (pavejax spec --out)")
@@ -48,6 +60,33 @@ def _open(path: Path):
     return Dock.open(path)
 
 
+def _subspace(ns: argparse.Namespace):
+    from pavejax.commands import _shared as sh
+    from pavejax.commands.spec import parse_layers
+    from pavejax.pave import subspace as sub_lib
+
+    parts = ns.subspace.split(":")
+    try:
+        kind, k = parts[0], int(parts[1])
+        seed = int(parts[2]) if len(parts) > 2 else 0
+    except (IndexError, ValueError):
+        raise ValueError(f"--subspace must be 'random:K[:SEED]' or 'calibrated:K' with integer "
+                         f"K, got {ns.subspace!r}") from None
+    if kind not in ("random", "calibrated") or len(parts) > 3 or \
+            (kind == "calibrated" and len(parts) > 2):
+        raise ValueError(f"--subspace must be 'random:K[:SEED]' or 'calibrated:K', got "
+                         f"{ns.subspace!r}")
+    tb = sh.text_backbone(ns.seq_len, parse_layers(ns.layers))
+    if kind == "random":
+        return sub_lib.random_projection(tb.backbone.params, tb.predicate, k, seed)
+    from pavejax.data.squad import load_squad
+
+    texts = list(dict.fromkeys(ex.context for ex in load_squad(max_examples=4000)))[:256]
+    return tb.calibrated_subspace(texts, [("negative", "positive"), ("business",
+                                  "entertainment", "politics", "sport", "tech")], k,
+                                  info={"data": "SQuAD v1.1 dev contexts (Wikipedia)"})
+
+
 def _parse_metadata(text: str) -> dict:
     try:
         meta = json.loads(text)
@@ -65,8 +104,10 @@ def run(ns: argparse.Namespace) -> int:
 
     action = ns.dock_command
     if action == "init":
-        dock = Dock.create(ns.dock, exist_ok=ns.exist_ok)
-        print(f"dock ready at {ns.dock} ({len(dock)} learnwares). {_PRIVACY_NOTE}")
+        subspace = None if ns.subspace is None else _subspace(ns)
+        dock = Dock.create(ns.dock, exist_ok=ns.exist_ok, subspace=subspace)
+        where = "" if subspace is None else f" Coordinate subspace: {subspace!r}."
+        print(f"dock ready at {ns.dock} ({len(dock)} learnwares).{where} {_PRIVACY_NOTE}")
         return 0
     dock = _open(ns.dock)
     if action == "submit":

@@ -63,7 +63,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     sh.add_output_arguments(p, "spec")
 
 
-def _parse_layers(text: str | None) -> tuple[int, ...] | None:
+def parse_layers(text: str | None) -> tuple[int, ...] | None:
     if text is None:
         return None
     try:
@@ -76,13 +76,22 @@ def _parse_layers(text: str | None) -> tuple[int, ...] | None:
     return layers
 
 
-def dock_space(signature, rank: int | None, layers: tuple[int, ...] | None):
-    """(rank, layers) of a spec for a dock: the dock's own once it holds specs; an explicit
-    value that contradicts the dock is refused (its specs could not be compared)."""
-    if signature is None:
+def _layer_indices(paths) -> tuple[int, ...]:
+    return tuple(sorted({int(p.split("/")[p.split("/").index("layers") + 1]) for p in paths}))
+
+
+def dock_space(signature, rank: int | None, layers: tuple[int, ...] | None, subspace=None):
+    """(rank, layers) of a spec for a dock: the dock's own once it holds specs (the layers of
+    its coordinate subspace, if it has one); an explicit value that contradicts the dock is
+    refused (its specs could not be compared)."""
+    if signature is None and subspace is None:
         return rank or 8, layers or (4, 5)
-    dock_layers = tuple(sorted({int(p.split("/")[p.split("/").index("layers") + 1])
-                                for p in signature.layers}))
+    dock_layers = _layer_indices(subspace.paths if signature is None else signature.layers)
+    if signature is None:
+        if layers is not None and layers != dock_layers:
+            raise ValueError(f"--layers {layers} differs from the dock's subspace layers "
+                             f"{dock_layers}; drop --layers")
+        return rank or 8, dock_layers
     for name, mine, theirs in (("rank", rank, signature.rank),
                                ("layers", layers, dock_layers)):
         if mine is not None and mine != theirs:
@@ -106,8 +115,8 @@ def run(ns: argparse.Namespace) -> int:
         raise ValueError("--task is for the model side (with --model); the user side takes "
                          "--user-task")
     with Dock.open(ns.dock) as dock:
-        a_key, signature = dock.a_key(), dock.signature
-    rank, layers = dock_space(signature, ns.rank, _parse_layers(ns.layers))
+        a_key, signature, subspace = dock.a_key(), dock.signature, dock.subspace
+    rank, layers = dock_space(signature, ns.rank, parse_layers(ns.layers), subspace)
     epsilon = ns.epsilon if ns.epsilon is not None or ns.model is None else 4.0
     privacy = None if epsilon is None else PrivacyConfig(
         target_epsilon=epsilon, l2_clip=ns.clip, sampling="full", accountant="rdp",
@@ -118,6 +127,7 @@ def run(ns: argparse.Namespace) -> int:
               if privacy is not None else
               SpecConfig.preset("one_step_clipped", rank=rank, example_clip=ns.clip,
                                 progress=False))
+    config = dataclasses.replace(config, subspace=subspace)  # the dock's coordinates, if any
     if ns.model is not None:
         res, facts, seq_len = _model_side(ns, config, a_key, layers)
     else:
