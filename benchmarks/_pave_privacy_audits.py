@@ -11,6 +11,10 @@ DP-S-PAVE is a single Gaussian release with sensitivity 2C). Two canaries:
   both data sets, so its own advantage is 0 and the amplification is the advantage on
   (model, spec).
 
+Each DP-S-PAVE row is played twice: on the whole ``B`` blocks and on coordinate specs
+(``mechanism = "dp-s-pave (coordinates)"``: a public random subspace of ``k = 2`` columns per
+kernel, :mod:`pavejax.pave.subspace`), with the same noise multiplier and the same claim.
+
 Attacks: the adversary holds ``A`` and projects the release on the mean difference of shadow
 runs (DP-S-PAVE's guarantee holds against everyone); for non-private PAVE also the secret-``A``
 attack of :func:`pavejax.audit.sketch_covariance_scores`. The white-box rows use
@@ -28,7 +32,7 @@ import numpy as np
 
 from pavejax import audit
 from pavejax.accounting import Ledger, risk
-from pavejax.pave import spec as S
+from pavejax.pave import spec as S, subspace as sub_lib
 from pavejax.privacy import DPConfig, SamplingConfig
 
 N, D_IN, HIDDEN, K = 16, 5, 6, 2
@@ -65,8 +69,9 @@ def toy_problem() -> dict[str, Any]:
             "a_key": jax.random.key(7)}
 
 
-def _config(privacy: S.PrivacyConfig | None) -> S.SpecConfig:
-    return S.SpecConfig.preset("one_step", rank=2, privacy=privacy, progress=False)
+def _config(privacy: S.PrivacyConfig | None, subspace=None) -> S.SpecConfig:
+    return S.SpecConfig.preset("one_step", rank=2, privacy=privacy, progress=False,
+                               subspace=subspace)
 
 
 def _games(toy, sampler, runs, delta, claimed, attack="projection") -> dict[str, audit.GameResult]:
@@ -91,20 +96,26 @@ def _row(mechanism: str, epsilon: float, claimed: float | None, games, delta: fl
 
 
 def spec_audit_rows(sigmas: dict[float, float], *, runs: int, delta: float,
-                    l2_clip: float = 1.0) -> list[dict[str, Any]]:
-    """One row per target epsilon (DP-S-PAVE with the noise multiplier calibrated for it; the
-    claim is the ledger's epsilon) and two non-private rows (A held by the adversary; A secret
-    and fresh per run)."""
+                    l2_clip: float = 1.0, coordinates: bool = True) -> list[dict[str, Any]]:
+    """Per target epsilon a DP-S-PAVE row (the noise multiplier calibrated for it; the claim is
+    the ledger's epsilon) and, with ``coordinates``, the same on coordinate specs; then two
+    non-private rows (A held by the adversary; A secret and fresh per run)."""
     toy = toy_problem()
     rows = []
+    coords = sub_lib.random_projection(toy["backbone"].params, _predicate, 2, seed=0)
+    variants = [("dp-s-pave", None)] + ([("dp-s-pave (coordinates)", coords)]
+                                        if coordinates else [])
     for eps, sigma in sigmas.items():
         priv = S.PrivacyConfig(l2_clip=l2_clip, noise_multiplier=float(sigma), delta=delta,
                                sampling="full")
-        sampler = audit.spec_sampler(_logits, toy["backbone"], _predicate, _config(priv))
-        claimed = sampler.ledgers(N)[0].epsilon(delta)
-        rows.append(_row("dp-s-pave", float(eps), claimed,
-                         _games(toy, sampler, runs, delta, claimed), delta)
-                    | {"noise_multiplier": float(sigma)})
+        for mechanism, subspace in variants:
+            sampler = audit.spec_sampler(_logits, toy["backbone"], _predicate,
+                                         _config(priv, subspace))
+            claimed = sampler.ledgers(N)[0].epsilon(delta)
+            rows.append(_row(mechanism, float(eps), claimed,
+                             _games(toy, sampler, runs, delta, claimed), delta)
+                        | {"noise_multiplier": float(sigma),
+                           "spec_dim": sampler.dim})
     sampler = audit.spec_sampler(_logits, toy["backbone"], _predicate, _config(None))
     rows.append(_row("pave (A known)", math.inf, None, _games(toy, sampler, runs, delta, None),
                      delta))
