@@ -114,6 +114,30 @@ tweets; six developers; n in 128, 256, 512; 32 tokens). Full: the full market, 6
 sized for one GPU (on 2 CPU cores, at the ~80-120 ms per example measured at 32 tokens under
 load, one to one and a half hours for that part; not run here).
 
+Quick run (``--quick``, 2 shared CPU cores under load, 10.3 minutes: main part 5.4, of which
+market 0.7, gradient sums 1.1, audits 0.5; data-scale part 4.7, of which market 0.8, prefix
+sums of 3072 developer examples 3.7). Main part, 60 draws (mean +- SE): ``top1_eps4`` 0.610
++- 0.013 (95% interval of the mean 0.584-0.635; one draw falls in 0.40-0.74) against
+``top1_nonprivate`` 0.791; eps 0.5 / 1 / 2 / 8: 0.367 / 0.402 / 0.506 / 0.650. The former
+3-draw quick figure (0.560) was a low draw. Noise-aware scores do not help on this market: at
+eps = 4 debiased 0.598, posterior 0.590, ``noiseaware_minus_cosine_eps4`` -0.011 +- 0.006
+(debiased, paired); the posterior score is 1.6-2.5 points below the cosine at eps 2-8 (paired
+SE 0.6-0.8). Setting ``both`` stays at random (0.33) at every eps <= 8. Noise diagnosis at eps
+= 4: true norm 0.599, span query 0.687 (query norm in the span 0.39). Data-scale part (6
+developers holding 512 examples each, 6 users; oracle 0.817, random 0.608; no capped cell):
+
+===  ===========  =====================================================
+n    non-private  eps 1 / 2 / 4 / 8 (cosine, mean; SE <= 0.009)
+===  ===========  =====================================================
+128  0.739        0.643 / 0.681 / 0.729 / 0.756
+256  0.790        0.697 / 0.744 / 0.769 / 0.780
+512  0.790        0.757 / 0.776 / 0.785 / 0.787
+===  ===========  =====================================================
+
+``n_star_eps4`` = 128 on this market (eps = 4 within 1.0 point of non-private at n = 128, 2.1
+at 256, 0.5 at 512); the noise-aware scores are within 0.3 points of the cosine in every cell
+(every developer holds the same n here, so the noise levels are equal).
+
 Figures from the former runs (3 draws quick, 10 full; the full market's developers then
 trained with the constant-rate Adam recipe, not the tuned one; kept for reference until a full
 re-run): clipping cost nothing (the clipped recipe, noise-free, ranked better than the
