@@ -57,6 +57,7 @@ from pavejax._releasable import REPLAYABLE
 from pavejax.accounting import Ledger, calibrate, gaussian_step_event, run_event
 from pavejax.checkpointing import TrainCheckpointer, run_record
 from pavejax.optim import promotion_safe
+from pavejax.pave._loss import soft_cross_entropy
 from pavejax.pave.subspace import Subspace
 from pavejax.privacy import (
     ClipConfig,
@@ -386,12 +387,6 @@ def _spec_vector(B: Mapping[str, jax.Array], A: Mapping[str, jax.Array],
             b = b * np.float32(math.sqrt(d_in / config.rank))
         blocks.append(b)
     return np.concatenate(blocks)
-
-
-def soft_cross_entropy(logits: jax.Array, target: jax.Array) -> jax.Array:
-    """Cross-entropy of ``logits`` to probability ``target`` rows (the spec's fitting loss),
-    in float32, over the last axis."""
-    return -jnp.sum(target * jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1), axis=-1)
 
 
 def generate_spec(logits_fn: LogitsFn, backbone: Backbone, predicate: lora.Predicate,

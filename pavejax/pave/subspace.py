@@ -51,6 +51,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pavejax import lora
+from pavejax.pave._loss import soft_cross_entropy
 
 __all__ = ["KINDS", "Subspace", "calibrated", "layer_selection", "random_projection",
            "random_targets"]
@@ -305,7 +306,6 @@ def random_targets(n: int, num_classes: int, seed: int = 0) -> np.ndarray:
 def _moments_fn(logits_fn, params, paths):
     """Jitted ``(batch, mask, aux) -> {path: sum_b g_b^T g_b}`` (d_out, d_out), where g_b is the
     per-example gradient (d_in, d_out) of the soft cross-entropy w.r.t. the kernel."""
-    from pavejax.pave.spec import soft_cross_entropy  # spec imports this module
 
     leaves = lora.named_leaves(params)
     shapes = {p: lora.matrix_shape(np.shape(leaves[p])) for p in paths}
