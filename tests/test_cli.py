@@ -324,6 +324,24 @@ def test_dock_commands_search_list_show(work, dock):
     rows = json.loads(out)
     assert [r["rank"] for r in rows] == [1, 2] and {r["name"] for r in rows} == {"m1", "m2"}
     assert rows[0]["cosine"] >= rows[1]["cosine"]
+    # noise-aware ranking: the scores of pavejax.pave.noise_aware over the stored specs
+    from pavejax.pave.dock import Dock
+    from pavejax.pave.noise_aware import noise_aware_scores, spec_noise_std
+    from pavejax.release import load_spec
+    rc, out, err = cli("dock", "search", d, work / "s_user", "-k", "2", "--score", "debiased",
+                       "--json")
+    assert rc == 0, err
+    ranked = json.loads(out)
+    stored = Dock.open(d)
+    specs = [stored.load_spec(r["id"]) for r in ranked]
+    want = noise_aware_scores(load_spec(work / "s_user").vector,
+                              np.stack([s.vector for s in specs]),
+                              np.array([spec_noise_std(s) for s in specs]), "debiased")[0]
+    assert all(spec_noise_std(s) > 0 for s in specs)  # both are DP-S-PAVE specs
+    np.testing.assert_allclose([r["debiased"] for r in ranked], want, rtol=1e-5)
+    assert ranked[0]["debiased"] >= ranked[1]["debiased"]
+    rc, out, err = cli("dock", "search", d, work / "s_user", "--score", "posterior")
+    assert rc == 0 and "| posterior |" in out.splitlines()[0], err
     rc, out, _ = cli("dock", "list", d)
     assert rc == 0 and "m1" in out and "m2" in out and "dp eps=" in out
     rc, out, _ = cli("dock", "show", d, "m2")

@@ -46,6 +46,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     search.add_argument("dock", type=Path)
     search.add_argument("spec", type=Path, help="user spec release directory")
     search.add_argument("-k", type=int, default=5, help="number of results (default 5)")
+    search.add_argument("--score", choices=("cosine", "debiased", "posterior"),
+                        default="cosine",
+                        help="ranking score: plain cosine (default), or a noise-aware score that "
+                             "reads each learnware's public noise level (plain-SGD DP-S-PAVE or "
+                             "non-private specs only; no privacy cost)")
     search.add_argument("--json", action="store_true", help="print JSON instead of a table")
     lst = sub.add_parser("list", help="list the learnwares in the dock")
     lst.add_argument("dock", type=Path)
@@ -123,17 +128,23 @@ def run(ns: argparse.Namespace) -> int:
         i = dock.submit(spec, name=ns.name, model=model, metadata=meta)
         print(f"submitted {ns.name!r} as id {i}")
     elif action == "search":
-        res = dock.search(load_spec(ns.spec), k=ns.k)
+        res = dock.search(load_spec(ns.spec), k=ns.k, score=ns.score)
         rows = [{"rank": r + 1, "id": i, "name": n, "cosine": float(c), "score": float(s)}
                 for r, (i, n, c, s) in enumerate(zip(res.ids, res.names, res.cosines,
                                                      res.scores, strict=True))]
+        if ns.score != "cosine":
+            for row, v in zip(rows, res.ranking, strict=True):
+                row[ns.score] = float(v)
         if ns.json:
             print(json.dumps(rows, indent=2))
         else:
-            print("| rank | id | name | cosine | score |\n|---|---|---|---|---|")
+            extra = "" if ns.score == "cosine" else f" {ns.score} |"
+            print(f"| rank | id | name | cosine | score |{extra}\n|---|---|---|---|---|"
+                  + ("" if ns.score == "cosine" else "---|"))
             for r in rows:
+                tail = "" if ns.score == "cosine" else f" {r[ns.score]:.4f} |"
                 print(f"| {r['rank']} | {r['id']} | {r['name']} | {r['cosine']:.4f} | "
-                      f"{r['score']:.4f} |")
+                      f"{r['score']:.4f} |{tail}")
     elif action == "list":
         print("| id | name | rank | layers | guarantee | model |\n|---|---|---|---|---|---|")
         for e in dock.list():

@@ -89,6 +89,7 @@ class Dock:
         self.path, self._conn = path, conn
         self._cache_generation: str | None = None
         self._vectors: dict[int, np.ndarray] = {}
+        self._stds: dict[int, float] = {}
         self._ids: list[int] = []
         self._names: list[str] = []
         self._indexes: dict[tuple, search_lib.CosineIndex] = {}
@@ -400,6 +401,7 @@ class Dock:
         self._vectors = {i: self._vectors[i] if i in self._vectors else
                          np.asarray(load_tree(self._tensor_dir(i) / "spec")["vector"], np.float32)
                          for i in ids}
+        self._stds = {i: v for i, v in self._stds.items() if i in self._vectors}
         self._ids, self._names = ids, [r[1] for r in rows]
         self._indexes, self._cache_generation = {}, gen
 
@@ -413,19 +415,31 @@ class Dock:
 
     def search(self, user_spec: PaveSpec | Sequence[PaveSpec], k: int = 5, *,
                chunk_size: int | None = None, dtype: str = "float32",
-               mesh: jax.sharding.Mesh | None = None) -> SearchResult | list[SearchResult]:
-        """Rank the dock's learnwares by cosine with ``user_spec`` (one spec, or a list: one
-        batched search, a list of results). ``k`` larger than the dock is clipped to its size;
-        an empty dock gives empty results. Placement and dtype as in
+               mesh: jax.sharding.Mesh | None = None,
+               score: str = "cosine") -> SearchResult | list[SearchResult]:
+        """Rank the dock's learnwares for ``user_spec`` (one spec, or a list: one batched
+        search, a list of results). ``k`` larger than the dock is clipped to its size; an
+        empty dock gives empty results. Placement and dtype as in
         :func:`pavejax.pave.search.build_index`. The spec matrix is cached in memory: the
         first search reads every spec (one Orbax restore each, ~10 ms), later ones only the
-        rows added since, by this or another process."""
+        rows added since, by this or another process.
+
+        ``score="cosine"`` (default) ranks by plain cosine. ``"debiased"`` or ``"posterior"``
+        rank by :func:`pavejax.pave.noise_aware.noise_aware_scores`, which read each
+        learnware's noise level from its public record (:func:`~pavejax.pave.noise_aware.
+        spec_noise_std`; post-processing, no privacy cost); they score every learnware on the
+        host in float64 (``chunk_size``, ``dtype`` and ``mesh`` do not apply) and need every
+        stored spec to be non-private or a plain-SGD DP-S-PAVE spec. Ties break by lower id.
+        """
         single = isinstance(user_spec, PaveSpec)
         specs = [user_spec] if single else list(user_spec)
         if not specs or not all(isinstance(s, PaveSpec) for s in specs):
             raise TypeError("user_spec must be a PaveSpec or a non-empty list of PaveSpecs")
         if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1:
             raise ValueError(f"k must be an int >= 1, got {k!r}")
+        from pavejax.pave import noise_aware  # light: NumPy and SciPy only
+        if score not in noise_aware.SCORE_METHODS:
+            raise ValueError(f"score must be one of {noise_aware.SCORE_METHODS}, got {score!r}")
         for s in specs:
             if not np.isfinite(s.vector).all():
                 raise ValueError("a query spec has NaN/inf entries; regenerate it")
@@ -437,11 +451,48 @@ class Dock:
         if not self._ids:
             empty = SearchResult((), (), np.zeros(0, np.float32), np.zeros(0, np.float32))
             return empty if single else [empty] * len(specs)
+        queries = np.stack([s.vector for s in specs])
+        if score != "cosine":
+            out = self._search_noise_aware(queries, int(k), score)
+            return out[0] if single else out
         index = self._index(dtype, chunk_size, mesh)
-        cos, idx = search_lib.search_index(index, np.stack([s.vector for s in specs]), int(k))
+        cos, idx = search_lib.search_index(index, queries, int(k))
         out = [SearchResult(tuple(self._ids[j] for j in row), tuple(self._names[j] for j in row),
                             c, scores_from_cosines(c)) for c, row in zip(cos, idx, strict=True)]
         return out[0] if single else out
+
+    def _noise_stds(self) -> np.ndarray:
+        """Each stored spec's per-coordinate noise std (in ``self._ids`` order), cached by id."""
+        from pavejax.pave.noise_aware import spec_noise_std
+        sig = self.signature
+        missing = [i for i in self._ids if i not in self._stds]
+        for i in missing:
+            entry = self._row(i)
+            spec = PaveSpec(self._vectors[i], sig, kind="model", info=entry.spec_info)
+            try:
+                self._stds[i] = spec_noise_std(spec)
+            except ValueError as e:
+                raise ValueError(f"learnware {entry.name!r} (id {i}) cannot be ranked by a "
+                                 f"noise-aware score: {e}; search with score='cosine'") from None
+        return np.array([self._stds[i] for i in self._ids], np.float64)
+
+    def _search_noise_aware(self, queries: np.ndarray, k: int,
+                            method: str) -> list[SearchResult]:
+        from pavejax.pave.noise_aware import noise_aware_scores
+        matrix = np.stack([self._vectors[i] for i in self._ids])
+        stds = self._noise_stds()
+        ranking = noise_aware_scores(queries, matrix, stds, method)
+        cosines = noise_aware_scores(queries, matrix, stds, "cosine")
+        k = min(k, len(self._ids))
+        ids = np.asarray(self._ids)
+        out = []
+        for r, c in zip(ranking, cosines, strict=True):
+            order = np.lexsort((ids, -r))[:k]  # score descending, then lower id
+            cos = c[order].astype(np.float32)
+            out.append(SearchResult(tuple(int(ids[j]) for j in order),
+                                    tuple(self._names[j] for j in order), cos,
+                                    scores_from_cosines(cos), method, r[order]))
+        return out
 
     # ------------------------------------------------------------------ reuse
 

@@ -303,13 +303,24 @@ def sharded_top_k_cosine(matrix: Any, queries: Any, k: int, mesh: jax.sharding.M
 
 @dataclasses.dataclass(frozen=True)
 class SearchResult:
-    """Ranked matches of one query: ``cosines`` (k,) float32 descending, ``scores`` (k,)
-    float32 = sigmoid(cos / 0.1) in [0, 1] (the learnware package's heuristic, not calibrated)."""
+    """Ranked matches of one query: ``cosines`` (k,) float32, ``scores`` (k,) float32 =
+    sigmoid(cos / 0.1) in [0, 1] (the learnware package's heuristic, not calibrated).
+
+    ``method`` names the score that ranked the matches (``"cosine"``, or a noise-aware score of
+    :func:`pavejax.pave.noise_aware.noise_aware_scores`); ``ranking`` (k,) float64 holds that
+    score, descending. For ``"cosine"`` it equals ``cosines``; otherwise ``cosines`` are the plain
+    cosines of the same matches and need not be sorted."""
 
     ids: tuple[int, ...]
     names: tuple[str, ...]
     cosines: np.ndarray
     scores: np.ndarray
+    method: str = "cosine"
+    ranking: np.ndarray | None = None
+
+    def __post_init__(self) -> None:
+        if self.ranking is None:
+            object.__setattr__(self, "ranking", np.asarray(self.cosines, np.float64))
 
 
 def scores_from_cosines(cosines: np.ndarray) -> np.ndarray:
