@@ -165,6 +165,7 @@ from pathlib import Path
 from typing import Any
 
 import _common
+import _pave_coordinates as coords
 import _pave_privacy_audits as audits
 import _spec_sums
 import _stats
@@ -175,6 +176,7 @@ import numpy as np
 
 from pavejax import lora
 from pavejax.accounting import Ledger
+from pavejax.assets import AssetMissingError
 from pavejax.data import load_task, ranking_metrics
 from pavejax.experiments import Market, MarketConfig, build_market, evaluate_market
 from pavejax.pave import spec as S
@@ -210,6 +212,9 @@ class DataScaleConfig:
     target_gap: float = 0.03
     # check the prefix sums against generate_spec on one developer (one more compile)
     parity: bool = True
+    # the intrinsic guarantee of the noise-free coordinate release at every n, with this many
+    # public directions per kernel (None: skip; needs the squad asset)
+    intrinsic_k: int | None = 8
 
 
 def make_data_scale_config(quick: bool) -> DataScaleConfig:
@@ -252,6 +257,10 @@ class Config:
     # also check the non-private generate_spec paths (one_step and one_step_clipped: two
     # compiles, ~15 s); the DP parity always runs and covers the clipped sum itself
     parity_nonprivate: bool = True
+    # coordinate specs: per adapted kernel, the top-k directions of a subspace calibrated on
+    # public text (the optional squad asset; the part is skipped with a note without it)
+    coord_ks: tuple[int, ...] = (4, 8, 16, 32)
+    coord_public: int = 256
     data_scale: DataScaleConfig = DataScaleConfig()
 
 
@@ -265,7 +274,8 @@ def make_config(quick: bool, train_per_class: int | None = None) -> Config:
     if quick:
         return Config(ident, audit_runs=5_000, whitebox_runs=100_000,
                       whitebox_epsilons=(1.0, 4.0), audit_epsilons=(1.0, 4.0),
-                      parity_nonprivate=False, data_scale=make_data_scale_config(True))
+                      parity_nonprivate=False, coord_public=128,
+                      data_scale=make_data_scale_config(True))
     return Config(ident)
 
 
@@ -817,6 +827,40 @@ def data_scale_sums(ds: DataScaleConfig, market: Market, sums: _spec_sums.Clippe
     return devs, users
 
 
+def data_scale_intrinsic(cfg: Config, market: Market, tb: TextSpecBackbone, a_key: jax.Array
+                         ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """The intrinsic guarantee of each developer's noise-free coordinate release (``k =
+    ds.intrinsic_k`` public directions per kernel) at every n of the data-scale market, on the
+    same examples in the same order as :func:`data_scale_sums` (a developer holding fewer than
+    n releases on all it holds). One more pass of per-example gradients. Rows ``part ==
+    "intrinsic"`` with ``n``; summary ``intrinsic_eps_median_k{k}_n{n}`` and
+    ``intrinsic_gamma_median_k{k}_n{n}``; without the squad asset no rows and
+    ``data_scale_intrinsic_skipped``."""
+    ds, k = cfg.data_scale, cfg.data_scale.intrinsic_k
+    subs, why = _public_subspaces(tb, (k,), cfg.coord_public)
+    if subs is None:
+        return [], {"data_scale_intrinsic_skipped": why}
+    lcfg = lora.LoraConfig(cfg.rank)
+    sums = coords.CoordinateSums(tb, coords.a_factors(tb, a_key, cfg.rank), subs,
+                                 clip=cfg.l2_clip, query_clip=cfg.l2_clip,
+                                 microbatch=cfg.microbatch, scale=lcfg.scale)
+    prefixes = []
+    for j, d in enumerate(market.developers):
+        order = stratified_order(d.train.labels, ds.seed * 1_000 + j)[:max(ds.ns)]
+        texts = [d.train.inputs[i] for i in order]
+        prefixes.append(sums(texts, S.soft_targets(d.logits(texts)), d.classes,
+                             [*ds.ns, len(texts)]))
+    rows, summary = [], {}
+    for n in ds.ns:
+        dev_n = [min(n, max(p)) for p in prefixes]
+        got, got_summary = coords.intrinsic_rows(
+            [p[m] for p, m in zip(prefixes, dev_n, strict=True)], dev_n, rank=cfg.rank,
+            query_clip=cfg.l2_clip, delta=cfg.delta, label=f"data scale, n = {n}")
+        rows += [r | {"n": n} for r in got]
+        summary |= {f"{key}_n{n}": v for key, v in got_summary.items()}
+    return rows, summary
+
+
 def data_scale_rows(cfg: Config, devs, users, acc: np.ndarray, calibrated: dict[float, tuple],
                     names: Sequence[str]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Top-1 at every (n, epsilon) of the data-scale market from prefix sums computed once
@@ -971,6 +1015,11 @@ def data_scale_part(cfg: Config, plot: Path | None) -> tuple[list[dict[str, Any]
                 "data_scale_median_grad_norm": float(np.median(norms)),
                 "data_scale_fraction_clipped": float(np.mean(norms > cfg.l2_clip)),
                 "seconds_data_scale_market": t_market, "seconds_data_scale_sums": t_sums}
+    if ds.intrinsic_k is not None:
+        t2 = time.perf_counter()
+        i_rows, i_summary = data_scale_intrinsic(cfg, market, tb, a_key)
+        rows += i_rows
+        summary |= i_summary | {"seconds_data_scale_intrinsic": time.perf_counter() - t2}
     if ds.parity:
         summary["parity_data_scale"] = data_scale_parity(cfg, market, tb, a_key, devs)
     if plot is not None:
@@ -1031,16 +1080,76 @@ def _plot(curves, rank_curve, extra, audit_rows, path: Path) -> str | None:
     return str(path)
 
 
-def main_part(cfg: Config, plot: Path | None) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+def main_market(cfg: Config) -> dict[str, Any]:
+    """The identification market, its accuracy matrix, the backbone and the A key (shared by
+    the main and the coordinates parts)."""
+    t0 = time.perf_counter()
+    market = build_market(cfg.ident.market, progress=False)
+    ctx = {"market": market, "acc": evaluate_market(market),
+           "tb": TextSpecBackbone(max_length=cfg.ident.market.max_length),
+           "a_key": jax.random.key(cfg.ident.a_seed)}
+    ctx["seconds_market"] = time.perf_counter() - t0
+    _log(f"market built ({ctx['seconds_market']:.0f} s)")
+    return ctx
+
+
+def _public_subspaces(tb: TextSpecBackbone, ks: Sequence[int], n_public: int
+                      ) -> tuple[dict | None, str | None]:
+    """({k: Subspace}, None), or (None, why) when the public corpus (squad asset) is missing."""
+    try:
+        return coords.public_subspaces(tb, ks, n_public=n_public), None
+    except AssetMissingError as e:
+        why = (f"skipped: the public calibration corpus is missing ({e}); install it with "
+               f"'pavejax assets --with squad'")
+        _log(f"coordinate specs {why}")
+        return None, why
+
+
+def coordinates_part(cfg: Config, ctx: dict[str, Any] | None = None
+                     ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Coordinate specs on the main market: identification per k (non-private and the eps = 4
+    developer setting, cosine and noise-aware) and the intrinsic guarantee of the noise-free
+    coordinate release per k (:mod:`_pave_coordinates`); (rows, summary). Without the squad
+    asset: no rows and ``coordinates_skipped`` saying why."""
+    t0 = time.perf_counter()
+    ctx = main_market(cfg) if ctx is None else ctx
+    tb, a_key, acc = ctx["tb"], ctx["a_key"], ctx["acc"]
+    subs, why = _public_subspaces(tb, cfg.coord_ks, cfg.coord_public)
+    if subs is None:
+        return [], {"coordinates_skipped": why}
+    t_sub = time.perf_counter() - t0
+    lcfg = lora.LoraConfig(cfg.rank)
+    sums = coords.CoordinateSums(tb, coords.a_factors(tb, a_key, cfg.rank), subs,
+                                 clip=cfg.l2_clip, query_clip=cfg.l2_clip,
+                                 microbatch=cfg.microbatch, scale=lcfg.scale)
+    devs, users = _spec_sums.over_market(sums, ctx["market"])
+    dev_n = [next(iter(d)) for d in devs]
+    user_n = [next(iter(u)) for u in users]
+    dev_sums = [d[n] for d, n in zip(devs, dev_n, strict=True)]
+    user_sums = [u[n] for u, n in zip(users, user_n, strict=True)]
+    _, sigma, claimed = calibrate(tb, cfg, 4.0)
+    rows, summary = coords.coordinate_identification_rows(
+        dev_sums, user_sums, dev_n, user_n, acc, sigma, claimed, rank=cfg.rank,
+        l2_clip=cfg.l2_clip, repeats=cfg.repeats, seed=0,
+        top1=lambda scores, a: _top1(scores, a)[0], scores=_noise_aware_scores)
+    i_rows, i_summary = coords.intrinsic_rows(dev_sums, dev_n, rank=cfg.rank,
+                                              query_clip=cfg.l2_clip, delta=cfg.delta)
+    summary |= i_summary | {
+        "coordinates_public_texts": cfg.coord_public,
+        "coordinates_subspace_hash": {k: subs[k].hash for k in sorted(subs)},
+        "seconds_coordinate_subspace": t_sub,
+        "seconds_coordinates": time.perf_counter() - t0}
+    return rows + i_rows, summary
+
+
+def main_part(cfg: Config, plot: Path | None, ctx: dict[str, Any] | None = None
+              ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """The identification market's rows (private, rank, clip, noise diagnosis), the parity
     checks and the audits; (rows, summary)."""
     t0 = time.perf_counter()
-    market = build_market(cfg.ident.market, progress=False)
-    acc = evaluate_market(market)
-    tb = TextSpecBackbone(max_length=cfg.ident.market.max_length)
-    a_key = jax.random.key(cfg.ident.a_seed)
-    t_market = time.perf_counter() - t0
-    _log(f"market built ({t_market:.0f} s)")
+    ctx = main_market(cfg) if ctx is None else ctx
+    market, acc, tb, a_key = ctx["market"], ctx["acc"], ctx["tb"], ctx["a_key"]
+    t_market = ctx["seconds_market"]
     rows, curves, rank_curve, extra, (sums, devs, calibrated) = identification_rows(
         cfg, market, acc, tb, a_key)
     checks = parity(cfg, market, tb, a_key, sums, devs, calibrated)
@@ -1069,13 +1178,15 @@ def main_part(cfg: Config, plot: Path | None) -> tuple[list[dict[str, Any]], dic
     return rows + audit_rows, summary
 
 
-PARTS = ("all", "main", "data_scale")
+PARTS = ("all", "main", "coordinates", "data_scale")
 
 
 def run(cfg: Config, out: Path | None, plot: Path | None, *, quick: bool,
         part: str = "all") -> dict[str, Any]:
     """Runs ``part`` (``"main"``: the identification market, its private rows and the audits;
-    ``"data_scale"``: the data-scale market; ``"all"``: both) and emits one result. ``plot``:
+    ``"coordinates"``: coordinate specs and the intrinsic guarantee on that market;
+    ``"data_scale"``: the data-scale market; ``"all"``: every part) and emits one result.
+    ``plot``:
     the main figure's PNG; the data-scale figure goes next to it (``<stem>_data_scale.png``), or
     to ``plot`` itself when only that part runs.
 
@@ -1086,8 +1197,12 @@ def run(cfg: Config, out: Path | None, plot: Path | None, *, quick: bool,
         raise ValueError(f"part must be one of {PARTS}, got {part!r}")
     t0 = time.perf_counter()
     rows, summary = [], {}
+    ctx = main_market(cfg) if part in ("all", "main", "coordinates") else None
     if part in ("all", "main"):
-        rows, summary = main_part(cfg, plot)
+        rows, summary = main_part(cfg, plot, ctx)
+    if part in ("all", "coordinates"):
+        c_rows, c_summary = coordinates_part(cfg, ctx)
+        rows, summary = rows + c_rows, summary | c_summary
     if part in ("all", "data_scale"):
         ds_plot = plot if part == "data_scale" or plot is None else plot.with_name(
             f"{plot.stem}_data_scale.png")
@@ -1112,7 +1227,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                        help="PNG path (default: --out with .png)")
         p.add_argument("--part", choices=PARTS, default="all",
                        help="main: the identification market's rows and the audits; "
-                       "data_scale: the data-scale market alone; all (default): both")
+                       "coordinates: coordinate specs and the intrinsic guarantee on that "
+                       "market (needs 'pavejax assets --with squad'); data_scale: the "
+                       "data-scale market alone; all (default): every part")
         p.add_argument("--train-per-class", type=int, default=None,
                        help="developer training (and spec) examples per class in the main "
                        "part's market instead of the identification market's (64 full, 32 "

@@ -2,6 +2,7 @@
 passes, the coordinate sums are generate_spec's coordinate spec, the intrinsic query equals the
 library's clipped average query, and the rows carry what they claim."""
 
+import dataclasses
 import zlib
 
 import jax
@@ -124,3 +125,82 @@ def test_coordinate_rows_without_noise_repeat_the_nonprivate_ranking(pc, setup):
         assert r["top1_nonprivate"] == pytest.approx(0.85)
         assert r["top1_acc"] == r["top1_nonprivate"] and r["top1_acc_std"] == 0.0
     assert summary["coord_top1_eps4_k2"] == pytest.approx(0.85)
+
+
+# --- the hooks in pave_privacy.py ---------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def pp():
+    with benchmark_module("pave_privacy") as module:
+        yield module
+
+
+class _Split:
+    def __init__(self, texts, labels):
+        self.inputs, self.labels = texts, np.asarray(labels)
+
+
+class _Dev:
+    """A developer of the data-scale market: its pool and a model (fixed random logits)."""
+
+    def __init__(self, texts, labels, seed):
+        self.train, self.classes = _Split(texts, labels), CLASSES
+        self._rng = np.random.default_rng(seed)
+        self._logits = {t: self._rng.normal(size=2) for t in texts}
+
+    def logits(self, texts):
+        return np.stack([self._logits[t] for t in texts])
+
+
+def test_data_scale_intrinsic_uses_the_spec_examples_in_order_and_caps_n(tb, pp, pc, setup,
+                                                                         monkeypatch):
+    """Per n, the rows are intrinsic_rows over each developer's first min(n, held) examples in
+    the stratified order (checked against separate passes), and a developer holding fewer than
+    n releases on all it holds."""
+    subs = {8: sub_lib.random_projection(tb.backbone.params, tb.predicate, 8, seed=8)}
+    monkeypatch.setattr(pp.coords, "public_subspaces", lambda tb_, ks, n_public: subs)
+    held = (12, 7)
+    market = type("M", (), {"developers": [_Dev(_texts(m, seed=10 + j), np.arange(m) % 2, j)
+                                           for j, m in enumerate(held)]})()
+    ds = dataclasses.replace(pp.make_data_scale_config(True), ns=(5, 10), intrinsic_k=8)
+    cfg = dataclasses.replace(pp.make_config(True), data_scale=ds, rank=2, l2_clip=0.05,
+                              microbatch=4)
+    rows, summary = pp.data_scale_intrinsic(cfg, market, tb, setup["a_key"])
+    assert [(r["n"], r["k"]) for r in rows] == [(5, 8), (10, 8)]
+    assert set(summary) == {f"intrinsic_{m}_median_k8_n{n}" for m in ("eps", "gamma")
+                            for n in (5, 10)}
+    sums = pc.CoordinateSums(tb, pc.a_factors(tb, setup["a_key"], 2), subs, clip=0.05,
+                             query_clip=0.05, microbatch=4)
+    for n in (5, 10):
+        per_dev, dev_n = [], []
+        for j, d in enumerate(market.developers):
+            order = pp.stratified_order(d.train.labels, ds.seed * 1_000 + j)
+            m = min(n, held[j])  # the second developer holds 7 < 10
+            texts = [d.train.inputs[i] for i in order[:m]]
+            per_dev.append(sums(texts, S.soft_targets(d.logits(texts)), CLASSES)[m])
+            dev_n.append(m)
+        want, want_summary = pc.intrinsic_rows(per_dev, dev_n, rank=2, query_clip=0.05,
+                                               delta=cfg.delta)
+        got = [r for r in rows if r["n"] == n][0]
+        assert got["median_n"] == float(np.median(dev_n))
+        for key in ("gamma_median", "gamma_min", "n_for_gamma_one_median"):
+            assert got[key] == pytest.approx(want[0][key], rel=1e-6)
+        assert summary[f"intrinsic_gamma_median_k8_n{n}"] == pytest.approx(
+            want_summary["intrinsic_gamma_median_k8"], rel=1e-6)
+
+
+def test_coordinate_parts_are_skipped_with_a_note_without_the_public_corpus(tb, pp,
+                                                                            monkeypatch):
+    from pavejax.assets import AssetMissingError
+
+    def missing(*a, **k):
+        raise AssetMissingError("the 'squad' asset is not installed")
+
+    monkeypatch.setattr(pp.coords, "public_subspaces", missing)
+    cfg = pp.make_config(True)
+    ctx = {"tb": tb, "a_key": jax.random.key(0), "acc": np.zeros((1, 1)), "market": None}
+    rows, summary = pp.coordinates_part(cfg, ctx)
+    assert rows == [] and "pavejax assets --with squad" in summary["coordinates_skipped"]
+    rows, summary = pp.data_scale_intrinsic(cfg, None, tb, jax.random.key(0))
+    assert rows == [] and "--with squad" in summary["data_scale_intrinsic_skipped"]
