@@ -834,12 +834,10 @@ def data_scale_intrinsic(cfg: Config, market: Market, tb: TextSpecBackbone, a_ke
     same examples in the same order as :func:`data_scale_sums` (a developer holding fewer than
     n releases on all it holds). One more pass of per-example gradients. Rows ``part ==
     "intrinsic"`` with ``n``; summary ``intrinsic_eps_median_k{k}_n{n}`` and
-    ``intrinsic_gamma_median_k{k}_n{n}``; without the squad asset no rows and
-    ``data_scale_intrinsic_skipped``."""
+    ``intrinsic_gamma_median_k{k}_n{n}``, ``data_scale_intrinsic_subspace`` (calibrated on
+    public text, or a random projection without the squad asset)."""
     ds, k = cfg.data_scale, cfg.data_scale.intrinsic_k
-    subs, why = _public_subspaces(tb, (k,), cfg.coord_public)
-    if subs is None:
-        return [], {"data_scale_intrinsic_skipped": why}
+    subs, what = _public_subspaces(tb, (k,), cfg.coord_public)
     lcfg = lora.LoraConfig(cfg.rank)
     sums = coords.CoordinateSums(tb, coords.a_factors(tb, a_key, cfg.rank), subs,
                                  clip=cfg.l2_clip, query_clip=cfg.l2_clip,
@@ -856,8 +854,9 @@ def data_scale_intrinsic(cfg: Config, market: Market, tb: TextSpecBackbone, a_ke
         got, got_summary = coords.intrinsic_rows(
             [p[m] for p, m in zip(prefixes, dev_n, strict=True)], dev_n, rank=cfg.rank,
             query_clip=cfg.l2_clip, delta=cfg.delta, label=f"data scale, n = {n}")
-        rows += [r | {"n": n} for r in got]
+        rows += [r | {"n": n, "subspace": what} for r in got]
         summary |= {f"{key}_n{n}": v for key, v in got_summary.items()}
+    summary["data_scale_intrinsic_subspace"] = what
     return rows, summary
 
 
@@ -1094,29 +1093,32 @@ def main_market(cfg: Config) -> dict[str, Any]:
 
 
 def _public_subspaces(tb: TextSpecBackbone, ks: Sequence[int], n_public: int
-                      ) -> tuple[dict | None, str | None]:
-    """({k: Subspace}, None), or (None, why) when the public corpus (squad asset) is missing."""
+                      ) -> tuple[dict, str]:
+    """({k: Subspace}, what they are): calibrated on public SQuAD contexts, or, when that
+    optional asset is missing, random projections (public and data-independent too; seed 0)."""
     try:
-        return coords.public_subspaces(tb, ks, n_public=n_public), None
+        return (coords.public_subspaces(tb, ks, n_public=n_public),
+                f"calibrated on {n_public} public SQuAD v1.1 contexts")
     except AssetMissingError as e:
-        why = (f"skipped: the public calibration corpus is missing ({e}); install it with "
-               f"'pavejax assets --with squad'")
-        _log(f"coordinate specs {why}")
-        return None, why
+        _log(f"coordinate specs on random subspaces: {e}")
+        from pavejax.pave.subspace import random_projection
+
+        return ({k: random_projection(tb.backbone.params, tb.predicate, k, seed=0) for k in ks},
+                "random projection, seed 0 (the squad asset for the calibrated subspace is "
+                "missing: 'pavejax assets --with squad')")
 
 
 def coordinates_part(cfg: Config, ctx: dict[str, Any] | None = None
                      ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Coordinate specs on the main market: identification per k (non-private and the eps = 4
     developer setting, cosine and noise-aware) and the intrinsic guarantee of the noise-free
-    coordinate release per k (:mod:`_pave_coordinates`); (rows, summary). Without the squad
-    asset: no rows and ``coordinates_skipped`` saying why."""
+    coordinate release per k (:mod:`_pave_coordinates`); (rows, summary). The subspace is
+    calibrated on public text (the squad asset) or, without it, a random projection;
+    ``coordinates_subspace`` and every row's ``subspace`` say which."""
     t0 = time.perf_counter()
     ctx = main_market(cfg) if ctx is None else ctx
     tb, a_key, acc = ctx["tb"], ctx["a_key"], ctx["acc"]
-    subs, why = _public_subspaces(tb, cfg.coord_ks, cfg.coord_public)
-    if subs is None:
-        return [], {"coordinates_skipped": why}
+    subs, what = _public_subspaces(tb, cfg.coord_ks, cfg.coord_public)
     t_sub = time.perf_counter() - t0
     lcfg = lora.LoraConfig(cfg.rank)
     sums = coords.CoordinateSums(tb, coords.a_factors(tb, a_key, cfg.rank), subs,
@@ -1134,12 +1136,13 @@ def coordinates_part(cfg: Config, ctx: dict[str, Any] | None = None
         top1=lambda scores, a: _top1(scores, a)[0], scores=_noise_aware_scores)
     i_rows, i_summary = coords.intrinsic_rows(dev_sums, dev_n, rank=cfg.rank,
                                               query_clip=cfg.l2_clip, delta=cfg.delta)
+    rows = [r | {"subspace": what} for r in rows + i_rows]
     summary |= i_summary | {
-        "coordinates_public_texts": cfg.coord_public,
+        "coordinates_subspace": what,
         "coordinates_subspace_hash": {k: subs[k].hash for k in sorted(subs)},
         "seconds_coordinate_subspace": t_sub,
         "seconds_coordinates": time.perf_counter() - t0}
-    return rows + i_rows, summary
+    return rows, summary
 
 
 def main_part(cfg: Config, plot: Path | None, ctx: dict[str, Any] | None = None
@@ -1228,7 +1231,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         p.add_argument("--part", choices=PARTS, default="all",
                        help="main: the identification market's rows and the audits; "
                        "coordinates: coordinate specs and the intrinsic guarantee on that "
-                       "market (needs 'pavejax assets --with squad'); data_scale: the "
+                       "market (calibrated subspace with 'pavejax assets --with squad', a "
+                       "random one without); data_scale: the "
                        "data-scale market alone; all (default): every part")
         p.add_argument("--train-per-class", type=int, default=None,
                        help="developer training (and spec) examples per class in the main "

@@ -160,6 +160,8 @@ def test_data_scale_intrinsic_uses_the_spec_examples_in_order_and_caps_n(tb, pp,
     n releases on all it holds."""
     subs = {8: sub_lib.random_projection(tb.backbone.params, tb.predicate, 8, seed=8)}
     monkeypatch.setattr(pp.coords, "public_subspaces", lambda tb_, ks, n_public: subs)
+    assert pp._public_subspaces(tb, (8,), 16) == (subs, "calibrated on 16 public SQuAD v1.1 "
+                                                        "contexts")
     held = (12, 7)
     market = type("M", (), {"developers": [_Dev(_texts(m, seed=10 + j), np.arange(m) % 2, j)
                                            for j, m in enumerate(held)]})()
@@ -169,7 +171,7 @@ def test_data_scale_intrinsic_uses_the_spec_examples_in_order_and_caps_n(tb, pp,
     rows, summary = pp.data_scale_intrinsic(cfg, market, tb, setup["a_key"])
     assert [(r["n"], r["k"]) for r in rows] == [(5, 8), (10, 8)]
     assert set(summary) == {f"intrinsic_{m}_median_k8_n{n}" for m in ("eps", "gamma")
-                            for n in (5, 10)}
+                            for n in (5, 10)} | {"data_scale_intrinsic_subspace"}
     sums = pc.CoordinateSums(tb, pc.a_factors(tb, setup["a_key"], 2), subs, clip=0.05,
                              query_clip=0.05, microbatch=4)
     for n in (5, 10):
@@ -190,17 +192,15 @@ def test_data_scale_intrinsic_uses_the_spec_examples_in_order_and_caps_n(tb, pp,
             want_summary["intrinsic_gamma_median_k8"], rel=1e-6)
 
 
-def test_coordinate_parts_are_skipped_with_a_note_without_the_public_corpus(tb, pp,
-                                                                            monkeypatch):
+def test_without_the_public_corpus_the_subspace_is_a_labelled_random_projection(tb, pp,
+                                                                               monkeypatch):
     from pavejax.assets import AssetMissingError
 
     def missing(*a, **k):
         raise AssetMissingError("the 'squad' asset is not installed")
 
     monkeypatch.setattr(pp.coords, "public_subspaces", missing)
-    cfg = pp.make_config(True)
-    ctx = {"tb": tb, "a_key": jax.random.key(0), "acc": np.zeros((1, 1)), "market": None}
-    rows, summary = pp.coordinates_part(cfg, ctx)
-    assert rows == [] and "pavejax assets --with squad" in summary["coordinates_skipped"]
-    rows, summary = pp.data_scale_intrinsic(cfg, None, tb, jax.random.key(0))
-    assert rows == [] and "--with squad" in summary["data_scale_intrinsic_skipped"]
+    subs, what = pp._public_subspaces(tb, (2, 4), 16)
+    assert "random projection" in what and "--with squad" in what
+    for k in (2, 4):
+        assert subs[k] == sub_lib.random_projection(tb.backbone.params, tb.predicate, k, seed=0)
