@@ -1,7 +1,7 @@
 """Private PAVE: identification accuracy of DP-S-PAVE specs vs epsilon, rank and developer data,
-with noise-aware ranking, and audits.
+with noise-aware ranking, coordinate specs and their intrinsic statistic, and audits.
 
-Two parts (``--part main``, ``--part data_scale``; both by default).
+Three parts (``--part main``, ``--part coordinates``, ``--part data_scale``; all by default).
 
 Main part: identification rows on the market of ``identification.py`` (real
 all-MiniLM-L6-v2, real text; quick: its quick market), whose developers train with the tuned
@@ -79,6 +79,25 @@ noise): ``plain`` (the released cosine, = ``top1_eps4``), ``true_norm`` (project
 noise-free norm, an oracle), ``debiased_norm`` (the library's ``"debiased"`` score) and
 ``query_in_dev_span`` (the user's query projected on the span of the noise-free developer
 specs, an oracle; ``query_norm_in_dev_span`` is the unit query's median norm in that span).
+
+Coordinates part (``part == "coordinates"`` and ``part == "intrinsic"`` rows, the main
+market): the paper's coordinate specs (:mod:`pavejax.pave.subspace`): per adapted kernel a
+public subspace ``U`` of ``k`` output directions, for each ``k`` of ``coord_ks`` (4, 8, 16,
+32), calibrated on ``coord_public`` public SQuAD v1.1 contexts (the optional squad asset; 256
+full, 128 quick) or, without that asset, a random projection (seed 0); ``subspace`` in every
+row and ``coordinates_subspace`` say which. The spec is the clipped one-step coordinate
+release (rank 8, C = 1, ``r * sum_l k_l`` numbers): ``coord_top1_nonprivate_k{k}`` (both
+sides noise-free) and ``coord_top1_eps4_k{k}`` (developers release DP-S-PAVE coordinates at
+the eps = 4 sigma of the main part, 60 draws, cosine and noise-aware columns). ``intrinsic``
+rows: the data-dependent intrinsic statistic of each developer's noise-free coordinate release
+(:func:`pavejax.accounting.intrinsic.intrinsic_record`: ``gamma = 2 L Delta / mu^2`` per
+kernel with ``Delta = 2 G / n``, an RDP epsilon only where every ``gamma < 1``), summarised
+over developers: ``epsilon_median``, ``finite_fraction``, ``gamma_median``, and
+``n_for_gamma_one_median`` (the data size at which the worst kernel's gamma would reach 1 if
+``L`` and ``mu`` stayed as measured). It is a statement about stability around this data set
+against parties without the dock's key, not DP. The data-scale part repeats the intrinsic
+rows at every n for ``k = intrinsic_k`` (8), with ``n`` in the rows and
+``intrinsic_{eps,gamma}_median_k8_n{n}`` in the summary.
 
 Data-scale part (``part == "data_scale"`` rows; measured, it replaces the former projection
 that shrank the noise by k): a market of the sentiment domains (movie, amazon, nyt, tweets) and
