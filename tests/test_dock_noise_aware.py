@@ -4,35 +4,23 @@ closed-form noise level, ties break by id, unsupported specs are refused by name
 search still works), and removing them makes the dock searchable again."""
 
 import dataclasses
-import math
 
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from pavejax.pave import noise_aware as na, spec as S
 from pavejax.pave.dock import Dock
+from tests import _toy
 
-D_IN, HIDDEN, K = 5, 6, 2
+D_IN, K = _toy.D_IN, _toy.K
 LR, CLIP = 0.7, 0.5
-
-
-def _logits(params, batch, aux):
-    return jnp.tanh(batch["x"] @ params["l1"]["kernel"]) @ params["l2"]["kernel"]
-
-
-def _kernels(path, leaf):
-    return path.endswith("kernel")
+_logits, _kernels = _toy.logits, _toy.kernels
 
 
 @pytest.fixture(scope="module")
 def market(tmp_path_factory):
     rng = np.random.default_rng(2)
-    params = {"l1": {"kernel": jnp.asarray(rng.normal(size=(D_IN, HIDDEN)) / math.sqrt(D_IN),
-                                           jnp.float32)},
-              "l2": {"kernel": jnp.asarray(rng.normal(size=(HIDDEN, K)) / math.sqrt(HIDDEN),
-                                           jnp.float32)}}
-    bb = S.Backbone("toy-tanh-mlp", params, S.backbone_hash(params))
+    bb = _toy.tanh_mlp(rng)
     dock = Dock.create(tmp_path_factory.mktemp("dock") / "dock")
     base = S.SpecConfig.preset("one_step", rank=2, progress=False, learning_rate=LR)
 

@@ -16,27 +16,17 @@ import pytest
 from pavejax import audit, lora
 from pavejax.pave import spec as S, subspace as sub_lib
 from pavejax.spec_types import SpecMismatchError
+from tests import _toy
 
-D_IN, HIDDEN, K = 5, 6, 2
+D_IN, HIDDEN, K = _toy.D_IN, _toy.HIDDEN, _toy.K
 DELTA = 1e-5
-
-
-def _logits(params, batch, aux):
-    return jnp.tanh(batch["x"] @ params["l1"]["kernel"]) @ params["l2"]["kernel"]
-
-
-def _kernels(path, leaf):
-    return path.endswith("kernel")
+_logits, _kernels = _toy.logits, _toy.kernels
 
 
 @pytest.fixture(scope="module")
 def toy():
     rng = np.random.default_rng(0)
-    params = {"l1": {"kernel": jnp.asarray(rng.normal(size=(D_IN, HIDDEN)) / math.sqrt(D_IN),
-                                           jnp.float32)},
-              "l2": {"kernel": jnp.asarray(rng.normal(size=(HIDDEN, K)) / math.sqrt(HIDDEN),
-                                           jnp.float32)}}
-    bb = S.Backbone("toy-tanh-mlp", params, S.backbone_hash(params))
+    bb = _toy.tanh_mlp(rng)
     x = rng.normal(size=(24, D_IN)).astype(np.float32)
     t = S.hard_targets((x[:, 0] > 0).astype(np.int32), K)
     return {"bb": bb, "inputs": {"x": x}, "targets": t, "a_key": jax.random.key(5)}
