@@ -17,6 +17,7 @@ from pavejax.accounting import (
     sketch_pair_rdp,
     sketch_rdp,
 )
+from tests._renyi import logdet_renyi
 
 DELTA = 1e-5
 
@@ -56,15 +57,6 @@ def _neighbours(rng, n=30, d_in=5, d_out=4, k=3, clip=1.0):
     h = clipped_average_query({"w": g}, {"w": U}, clip)["w"]
     h_adv = clipped_average_query({"w": g_adv}, {"w": U}, clip)["w"]
     return h_adv, h  # H(D) with the adversarial example, H(D')
-
-
-def _logdet_renyi(s_p, s_q, alpha):
-    """D_α(N(0, Σ_p) ‖ N(0, Σ_q)) from determinants (no eigenvalues)."""
-    mix = alpha * s_q + (1 - alpha) * s_p
-    sign, ld_mix = np.linalg.slogdet(mix)
-    assert sign > 0
-    ld_p, ld_q = np.linalg.slogdet(s_p)[1], np.linalg.slogdet(s_q)[1]
-    return -(ld_mix - (1 - alpha) * ld_p - alpha * ld_q) / (2 * (alpha - 1))
 
 
 def _mc_pair_renyi(h_p, h_q, rank, alpha, samples, rng):
@@ -140,7 +132,7 @@ def test_renyi_gaussian_matches_the_determinant_form(alpha):
     s_q = x @ x.T + 3 * np.eye(3)
     y = rng.normal(size=(3, 3))
     s_p = s_q + 0.1 * (y @ y.T)
-    assert renyi_gaussian(s_p, s_q, alpha) == pytest.approx(_logdet_renyi(s_p, s_q, alpha),
+    assert renyi_gaussian(s_p, s_q, alpha) == pytest.approx(logdet_renyi(s_p, s_q, alpha),
                                                             rel=1e-9)
 
 

@@ -20,6 +20,7 @@ from pavejax.accounting.sketch import (
     sketch_rdp,
 )
 from pavejax.audit import epsilon_lower_bound
+from tests._renyi import logdet_renyi
 
 DELTA = 1e-5
 
@@ -44,15 +45,6 @@ def _pair(rng, k, lams):
     v, _ = np.linalg.qr(rng.normal(size=(k, k)))
     s_p = root @ (v * lams) @ v.T @ root
     return (s_p + s_p.T) / 2, s_q
-
-
-def _logdet_renyi(s_p, s_q, alpha):
-    """D_α(N(0, Σ_p) ‖ N(0, Σ_q)) from determinants of the matrices (no eigenvalues)."""
-    mix = alpha * s_q + (1 - alpha) * s_p
-    sign, ld_mix = np.linalg.slogdet(mix)
-    assert sign > 0
-    ld_p, ld_q = np.linalg.slogdet(s_p)[1], np.linalg.slogdet(s_q)[1]
-    return -(ld_mix - (1 - alpha) * ld_p - alpha * ld_q) / (2 * (alpha - 1))
 
 
 def _factor(rng, sigma, m):
@@ -113,7 +105,7 @@ def test_rho_matches_monte_carlo_renyi_of_the_sketch(alpha, gamma):
     mc, exact = [], []
     for lam in (1 - gamma, 1 + gamma):  # the two candidate worst cases
         s_p, s_q = _pair(rng, k, np.full(k, lam))
-        exact.append(rank * _logdet_renyi(s_p, s_q, alpha))
+        exact.append(rank * logdet_renyi(s_p, s_q, alpha))
         mc.append(_mc_sketch_renyi(s_p, s_q, alpha, rank, m, 600_000, rng))
         assert mc[-1] == pytest.approx(exact[-1], rel=0.05)
     assert max(exact) == pytest.approx(rho, rel=1e-9)  # the bound is attained
@@ -137,7 +129,7 @@ def test_random_stable_pairs_never_exceed_the_bound():
         gamma = float(rng.uniform(0.01, 0.9))
         alpha = 1 + float(rng.uniform(0.01, 0.999)) / gamma  # inside (1, (1+γ)/γ)
         s_p, s_q = _pair(rng, k, rng.uniform(1 - gamma, 1 + gamma, size=k))
-        assert rank * _logdet_renyi(s_p, s_q, alpha) <= (
+        assert rank * logdet_renyi(s_p, s_q, alpha) <= (
             sketch_rdp(alpha, rank=rank, k=k, gamma=gamma) * (1 + 1e-9) + 1e-12)
 
 
