@@ -8,6 +8,7 @@ trains or loads a model (scenarios that train, like the learnware market, are in
 """
 
 from pavejax.data.batching import iterate_batches
+from pavejax.data.files import load_dataset_file, read_table
 from pavejax.data.metrics import (
     RankingMetrics,
     class_identity_accuracy,
@@ -51,6 +52,7 @@ __all__ = [
     "limit_task",
     "list_tasks",
     "load_bbc",
+    "load_dataset_file",
     "load_digits",
     "load_mnist5k",
     "load_sentiment",
@@ -58,6 +60,7 @@ __all__ = [
     "load_task",
     "oracle_best",
     "ranking_metrics",
+    "read_table",
     "split_task",
     "stratified_split",
     "stratified_subsample",
