@@ -128,7 +128,8 @@ def _accuracy(params, data, classes, user_classes) -> float:
 # --- the run ---------------------------------------------------------------------------------
 
 
-def train_developer(cfg: LifecycleConfig, task_name: str, noise_key: jax.Array | None = None):
+def train_developer(cfg: LifecycleConfig, task_name: str, noise_key: jax.Array | None = None,
+                    *, task: Any = None, recipe: str | None = None):
     """DP-Merging fine-tuning of one developer's head; returns (params, classes, train data,
     train texts, test accuracy, TrainResult, MergeTrainConfig).
 
@@ -136,16 +137,29 @@ def train_developer(cfg: LifecycleConfig, task_name: str, noise_key: jax.Array |
     AdamW, linear warm-up, cosine decay, its weight decay) at the peak rate ``cfg.dev_lr``,
     over ``cfg.dev_steps`` DP-SAM steps on Poisson batches of expected size ``cfg.dev_batch``.
 
+    ``task``: a :class:`~pavejax.data.Task` of the user's own data (e.g.
+    :func:`pavejax.data.load_dataset_file`) instead of the built-in task ``task_name``; its
+    splits are capped at ``cfg.dev_train`` / ``cfg.dev_test`` with ``cfg.seed``. ``recipe``: the
+    recipe family (``"sentiment"`` or ``"topic"``; default: the task's own, which a task of
+    the user's data needs to be given).
+
     ``noise_key``: the key of the sampling and the noise; None (the default) draws a fresh one
     from the operating system. Pass one only to replay a run: it makes the noise removable.
     """
     from pavejax import recipes
-    from pavejax.data import load_task
+    from pavejax.data import limit_task, load_task
     from pavejax.merging import train as mt
     from pavejax.models import example_loss, head0
     from pavejax.privacy import fresh_key
 
-    task = load_task(task_name, seed=cfg.seed, max_train=cfg.dev_train, max_test=cfg.dev_test)
+    if task is None:
+        task = load_task(task_name, seed=cfg.seed, max_train=cfg.dev_train,
+                         max_test=cfg.dev_test)
+    else:
+        if task.modality != "text":
+            raise ValueError(f"task {task.name!r} holds array inputs; the developer model is a "
+                             f"head on text features, so it needs a text column")
+        task = limit_task(task, max_train=cfg.dev_train, max_test=cfg.dev_test, seed=cfg.seed)
     classes = tuple(task.label_names)
     train = _data(task.train.inputs, task.train.labels, cfg.seq_len)
     test = _data(task.test.inputs, task.test.labels, cfg.seq_len)
@@ -154,7 +168,7 @@ def train_developer(cfg: LifecycleConfig, task_name: str, noise_key: jax.Array |
     # weight decay; privacy changes the rest: clipping, noise, Poisson batches of dev_batch
     # and the peak rate dev_lr (re-tuned under noise).
     mcfg = mt.MergeTrainConfig.from_recipe(
-        recipes.tuned(task_name, "head"), dataset_size=n, steps=cfg.dev_steps,
+        recipes.tuned(recipe or task_name, "head"), dataset_size=n, steps=cfg.dev_steps,
         learning_rate=cfg.dev_lr, mode=cfg.dev_mode, target_epsilon=cfg.dev_target_epsilon,
         delta=cfg.delta, l2_clip=cfg.dev_l2_clip, batch_size=min(cfg.dev_batch, n),
         relation="replace_one", accountant="pld")

@@ -76,6 +76,68 @@ def emit(ns: argparse.Namespace, summary: Mapping[str, Any], lines: Sequence[str
         print("\n".join(lines))
 
 
+# --- the user's own data ----------------------------------------------------------------------
+
+DATA_HELP = ("a labelled file of your own: CSV, JSON Lines (.jsonl), Parquet, or a folder saved "
+             "by datasets' save_to_disk; columns named by --text-column and --label-column")
+
+
+def add_data_file_arguments(p: argparse.ArgumentParser, *, test: bool = True) -> None:
+    """``--text-column``, ``--label-column``, ``--classes`` (and ``--test-data``) for a command
+    that takes ``--data``/``--user-data`` (the flag itself sits in the command's own group)."""
+    p.add_argument("--text-column", default="text",
+                   help="with a data file: the column of texts (default %(default)s)")
+    p.add_argument("--label-column", default="label",
+                   help="with a data file: the column of labels, class names or integer ids "
+                        "(default %(default)s)")
+    p.add_argument("--classes", default=None,
+                   help="with a data file: comma-separated class names in class-id order; "
+                        "every label must be one of them (default: the sorted distinct labels)")
+    if test:
+        p.add_argument("--test-data", type=Path, default=None,
+                       help="with --data: a file of the same columns used as the test split "
+                            "(default: a stratified share of --data, by --seed)")
+
+
+def parse_classes(text: str | None) -> tuple[str, ...] | None:
+    if text is None:
+        return None
+    classes = tuple(c.strip() for c in text.split(","))
+    if len(classes) < 2 or not all(classes):
+        raise ValueError(f"--classes must name at least 2 classes, comma-separated, e.g. "
+                         f"negative,positive; got {text!r}")
+    return classes
+
+
+def load_data_file(ns: argparse.Namespace, path: Path, *, split: bool = True,
+                   test_path: Path | None = None, without_test: bool = False,
+                   classes: Sequence[str] | None = None):
+    """The :class:`~pavejax.data.Task` of a user's file: ``split=False`` puts every row in
+    train; ``without_test`` splits train/dev only (as when a test file was given); ``classes``
+    is used when ``--classes`` is not given."""
+    from pavejax.data import load_dataset_file
+
+    kw: dict[str, Any] = {}
+    if not split:
+        kw = {"dev_fraction": 0.0, "test_fraction": 0.0}
+    elif without_test:
+        kw = {"test_fraction": 0.0}
+    given = parse_classes(ns.classes)
+    return load_dataset_file(path, text_column=ns.text_column, label_column=ns.label_column,
+                             classes=given if given is not None else classes,
+                             test_path=test_path, seed=max(int(getattr(ns, "seed", 0)), 0), **kw)
+
+
+def data_file_record(task: Any, ns: argparse.Namespace) -> dict[str, Any]:
+    """What a release states about a user's data file: the columns and the split rule. Not the
+    file's name, path or hash: a hash of the private rows would tell neighbouring datasets apart
+    exactly, whatever the noise, so it never enters a release."""
+    meta = task.metadata
+    return {"source": "file", "format": meta["format"], "text_column": ns.text_column,
+            "label_column": ns.label_column, "label_source": meta["label_source"],
+            "split": meta["split"], "test_file": "test_file" in meta}
+
+
 # --- backbone ---------------------------------------------------------------------------------
 
 

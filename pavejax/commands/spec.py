@@ -21,7 +21,8 @@ DESCRIPTION = (
     "DP-S-PAVE spec of a model release, computed on the training inputs of its task; it is "
     "(epsilon, delta)-DP with respect to replacing one spec example (replace-one neighbouring, "
     "sensitivity 2C), against everyone, including holders of the dock's A key. User side "
-    "(--user-task): a spec of a user's few labelled shots; without --epsilon it is NOT private "
+    "(--user-task or --user-data): a spec of a user's few labelled shots; without --epsilon it "
+    "is NOT private "
     "(keep it in your process: it is meant only for 'pavejax dock search'), with --epsilon it "
     "is DP-S-PAVE. The dock's secret A key is read from the dock and never written. "
     + sh.NOISE_SECRET)
@@ -33,11 +34,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the dock whose secret A key and parameter space the spec uses")
     side = p.add_mutually_exclusive_group(required=True)
     side.add_argument("--model", type=Path, help="model release directory (model side)")
-    side.add_argument("--user-task", help=f"user side: the user's task "
-                                          f"({', '.join(sh.TEXT_TASKS)})")
+    side.add_argument("--user-task", help=f"user side: a built-in user task "
+                                          f"({', '.join(sh.TEXT_TASKS)}); --shots per class")
+    side.add_argument("--user-data", type=Path,
+                      help="user side: the user's own labelled shots, every row one shot: "
+                           + sh.DATA_HELP)
     p.add_argument("--task", default=None,
                    help="model side: the task whose training inputs are the spec data "
                         "(default: the task the model was trained on)")
+    p.add_argument("--data", type=Path, default=None,
+                   help="model side: the data file the model was trained on (needed for a "
+                        "model trained with 'pavejax train --data'; the same columns and "
+                        "--seed select the same training rows)")
+    sh.add_data_file_arguments(p, test=False)
     p.add_argument("--shots", type=sh.positive_int, default=8,
                    help="user side: labelled shots per class (default %(default)s)")
     p.add_argument("--epsilon", type=sh.positive_float, default=None,
@@ -111,9 +120,11 @@ def run(ns: argparse.Namespace) -> int:
     from pavejax.pave.spec import PrivacyConfig, SpecConfig
     from pavejax.release import save_spec
 
-    if ns.model is None and ns.task is not None:
-        raise ValueError("--task is for the model side (with --model); the user side takes "
-                         "--user-task")
+    if ns.model is None and (ns.task is not None or ns.data is not None):
+        raise ValueError("--task and --data are for the model side (with --model); the user "
+                         "side takes --user-task or --user-data")
+    if ns.data is not None and ns.task is not None:
+        raise ValueError("give --task or --data for the model side, not both")
     with Dock.open(ns.dock) as dock:
         a_key, signature, subspace = dock.a_key(), dock.signature, dock.subspace
     rank, layers = dock_space(signature, ns.rank, parse_layers(ns.layers), subspace)
@@ -169,13 +180,21 @@ def _model_side(ns, config, a_key, layers):
 
     model = sh.load_model_release(ns.model)
     data = model.data
-    task_name = ns.task or data.get("task")
-    if task_name is None:
-        raise ValueError(f"{ns.model} does not record its task; pass --task")
     seq_len = ns.seq_len or int(data.get("seq_len", 32))
-    same = task_name == data.get("task")
-    task = load_task(task_name, seed=int(data.get("seed", 0)) if same else 0,
-                     max_train=int(data.get("train_size", ns.examples)) if same else ns.examples)
+    if ns.data is not None or "file" in data:
+        if ns.data is None:
+            raise ValueError(f"{ns.model} was trained on a data file of your own; pass it with "
+                             f"--data (and the same --text-column / --label-column / --classes)")
+        task, same = _file_task(ns, data, model.classes)
+        task_name = task.name
+    else:
+        task_name = ns.task or data.get("task")
+        if task_name is None:
+            raise ValueError(f"{ns.model} does not record its task; pass --task")
+        same = task_name == data.get("task")
+        task = load_task(task_name, seed=int(data.get("seed", 0)) if same else 0,
+                         max_train=int(data.get("train_size", ns.examples)) if same
+                         else ns.examples)
     texts = list(task.train.inputs)[:ns.examples]
     x = sh.features(texts, np.asarray(task.train.labels)[:len(texts)], seq_len)["x"]
     tb = sh.text_backbone(seq_len, layers)
@@ -205,18 +224,47 @@ def _composed(model_meta, spec_ledger) -> dict:
                     "the spec together are (epsilon, delta)-DP (replace one example)"}
 
 
+def _file_task(ns, data, classes):
+    """The model's training rows from the user's file: the same columns, split, seed, class
+    order and train size as the model release records."""
+    from pavejax.data import limit_task
+
+    record = data.get("file", {})
+    for flag, key in (("text_column", "text_column"), ("label_column", "label_column")):
+        if record and getattr(ns, flag) != record.get(key):
+            raise ValueError(f"the model was trained with --{flag.replace('_', '-')} "
+                             f"{record.get(key)!r}, not {getattr(ns, flag)!r}; pass the same")
+    ns.seed = int(data.get("seed", 0))
+    task = sh.load_data_file(ns, ns.data, without_test=bool(record.get("test_file")),
+                             classes=classes)
+    if not record:  # a built-in model given a file: the file's first rows are the spec data
+        return limit_task(task, max_train=ns.examples, seed=ns.seed), False
+    return limit_task(task, max_train=int(data.get("train_size", ns.examples)),
+                      seed=ns.seed), True
+
+
 def _user_side(ns, config, a_key, layers):
     from pavejax.data import few_shot, load_task
 
     seq_len = ns.seq_len or 32
-    task = load_task(ns.user_task, seed=ns.seed)
-    shots = few_shot(task, ns.shots, seed=ns.seed).train
+    if ns.user_data is not None:
+        task = sh.load_data_file(ns, ns.user_data, split=False)
+        shots, name = task.train, task.name
+        per_class = dict(zip(task.label_names, shots.counts(task.num_classes), strict=True))
+        if min(per_class.values()) < 1:
+            missing = [c for c, k in per_class.items() if k == 0]
+            raise ValueError(f"{ns.user_data.name}: no shot of the classes {missing}; give at "
+                             f"least one labelled shot per class")
+    else:
+        task = load_task(ns.user_task, seed=ns.seed)
+        shots, name = few_shot(task, ns.shots, seed=ns.seed).train, ns.user_task
+        per_class = ns.shots
     classes = tuple(task.label_names)
     tb = sh.text_backbone(seq_len, layers)
     res = tb.user_spec(list(shots.inputs), shots.labels, classes, a_key,
-                       _microbatched(config, len(shots.inputs)), task=ns.user_task)
-    facts = {"task": ns.user_task, "num_examples": len(shots.inputs), "classes": list(classes),
-             "shots_per_class": ns.shots}
+                       _microbatched(config, len(shots.inputs)), task=name)
+    facts = {"task": name, "num_examples": len(shots.inputs), "classes": list(classes),
+             "shots_per_class": per_class}
     return res, facts, seq_len
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import math
+from pathlib import Path
 
 from pavejax.commands import _shared as sh
 
@@ -17,7 +18,8 @@ DESCRIPTION = (
     "Fine-tune a task model with DP-Merging (DP sharpness-aware steps + anchor to the public "
     "start) and write a model release with its ledger, guarantee and risk bounds. Privacy: the "
     "release is (epsilon, delta)-differentially private with respect to replacing one "
-    "training example of TASK (replace-one neighbouring), against anyone who sees the release. "
+    "training example of TASK or of the --data file (replace-one neighbouring), against "
+    "anyone who sees the release. "
     "The number of training examples and the sampling rate are public (the release states "
     "them) and not protected; that is why the figure is replace-one, not add/remove. "
     "The test split, used only to report accuracy, is read without noise and is not covered. "
@@ -35,8 +37,14 @@ _MODE_HELP = {
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     sh.describe(p, DESCRIPTION, _MODE_HELP, "modes")
-    p.add_argument("--task", required=True,
-                   help=f"the private training task ({', '.join(sh.TEXT_TASKS)})")
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--task", help=f"a built-in private training task "
+                                       f"({', '.join(sh.TEXT_TASKS)})")
+    source.add_argument("--data", type=Path, help="the private training data: " + sh.DATA_HELP)
+    sh.add_data_file_arguments(p)
+    p.add_argument("--recipe", choices=("sentiment", "topic"), default=None,
+                   help="with --data: the tuned head recipe family (warm-up, decay, weight "
+                        "decay; default: sentiment for 2 classes, topic for more)")
     p.add_argument("--epsilon", type=sh.positive_float, required=True,
                    help="privacy budget: the noise is calibrated so that the whole run, every "
                         "SAM query included, is (epsilon, --delta)-DP for one training example "
@@ -66,18 +74,28 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(ns: argparse.Namespace) -> int:
     from pavejax.lifecycle import train_developer
 
-    cfg = sh.lifecycle_config(developers=(ns.task,), seq_len=ns.seq_len,
+    task, recipe, name = None, None, ns.task
+    if ns.data is None:
+        for flag in ("test_data", "classes", "recipe"):
+            if getattr(ns, flag) is not None:
+                raise ValueError(f"--{flag.replace('_', '-')} applies to --data only")
+    else:
+        task = sh.load_data_file(ns, ns.data, test_path=ns.test_data)
+        name = task.name
+        recipe = ns.recipe or ("sentiment" if task.num_classes == 2 else "topic")
+    cfg = sh.lifecycle_config(developers=(name,), seq_len=ns.seq_len,
                               dev_train=ns.train_size, dev_test=ns.test_size,
                               dev_target_epsilon=ns.epsilon, delta=ns.delta, dev_steps=ns.steps,
                               dev_batch=ns.batch_size, dev_mode=ns.mode, dev_lr=ns.lr,
                               dev_l2_clip=ns.clip, seed=ns.seed)
     # train_developer draws its noise and sampling key fresh from the OS (never recorded); the
     # split seed stays public and reproducible.
-    params, classes, train, _, acc, res, mcfg = train_developer(cfg, ns.task)
+    params, classes, train, _, acc, res, mcfg = train_developer(cfg, name, task=task,
+                                                                recipe=recipe)
     n = int(train["y"].shape[0])
     mechanism = f"dp-merging (DP-SAM mode {ns.mode!r} + anchor {mcfg.anchor})"
     protects = (f"each training example (text and label) of the {n} used from task "
-                f"{ns.task!r}")
+                f"{name!r}")
     if math.isinf(ns.epsilon):
         guarantee = {"kind": "none", "note": "trained without noise (--epsilon inf): not private"}
         risk = sh.risk_record(math.inf, ns.delta)
@@ -99,19 +117,21 @@ def run(ns: argparse.Namespace) -> int:
              "weight_decay": mcfg.weight_decay, "schedule": mcfg.schedule,
              "warmup_fraction": mcfg.warmup_fraction, "target_epsilon": ns.epsilon
              if math.isfinite(ns.epsilon) else None}
-    extra = {"task": ns.task, "classes": list(classes), "test_accuracy": acc,
-             "data": {"task": ns.task, "seed": ns.seed, "train_size": ns.train_size,
-                      "test_size": ns.test_size, "num_train": n, "seq_len": ns.seq_len},
+    data = {"task": name, "seed": ns.seed, "train_size": ns.train_size,
+            "test_size": ns.test_size, "num_train": n, "seq_len": ns.seq_len}
+    if task is not None:
+        data |= {"file": sh.data_file_record(task, ns), "recipe": recipe}
+    extra = {"task": name, "classes": list(classes), "test_accuracy": acc, "data": data,
              "model": "linear head on frozen all-MiniLM-L6-v2 mean-pooled features"}
     digest = sh.save_model_release(ns.out, params, kind="model", mechanism=mechanism,
                                    ledger=res.ledger, guarantee=guarantee, risk=risk,
                                    hyperparameters=hyper, extra=extra, overwrite=ns.overwrite)
     eps = guarantee.get("epsilon", math.inf)
-    summary = {"out": str(ns.out), "content_hash": digest, "task": ns.task,
+    summary = {"out": str(ns.out), "content_hash": digest, "task": name,
                "classes": list(classes), "test_accuracy": acc, "guarantee": guarantee,
                "noise_multiplier": mcfg.resolved_noise_multiplier, "steps": ns.steps}
     sh.emit(ns, summary, [
-        f"trained {ns.task!r} ({n} private examples, {ns.steps} steps, mode {ns.mode!r}, "
+        f"trained {name!r} ({n} private examples, {ns.steps} steps, mode {ns.mode!r}, "
         f"noise multiplier {mcfg.resolved_noise_multiplier:.4g})",
         f"test accuracy: {acc:.4f}",
         f"guarantee: {guarantee['kind']} epsilon={eps:.4g} at delta={ns.delta:g} (replace one "

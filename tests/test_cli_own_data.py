@@ -1,0 +1,152 @@
+"""The command line on the user's own files (real MiniLM, real text written to files the way a
+user would: shuffled columns, an extra column, CSV / Parquet / JSON Lines, integer labels with
+named classes): `train --data` -> `spec --model --data` -> `dock submit` -> `spec --user-data`
+-> `dock search` finds the right learnware first; releases never name or hash the data file;
+bad files fail with the file and row named and leave nothing behind."""
+
+import json
+import math
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.csv as pacsv
+import pyarrow.parquet as pq
+import pytest
+
+from pavejax.data import load_task
+from tests.test_cli import cli, ok_json
+
+pytestmark = [pytest.mark.assets, pytest.mark.slow]
+
+SMALL = ["--steps", "3", "--batch-size", "8", "--train-size", "48", "--test-size", "32",
+         "--seq-len", "16"]
+
+
+def _rows(task_name, n, seed, *, split="train"):
+    task = load_task(task_name, seed=seed)
+    s = getattr(task, split)
+    idx = np.random.default_rng(seed).permutation(len(s))[:n]
+    return [s.inputs[i] for i in idx], [int(s.labels[i]) for i in idx], task.label_names
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    d = tmp_path_factory.mktemp("own")
+    texts, labels, names = _rows("movie", 80, 1)
+    # shuffled column order, an extra column, class names as labels
+    pacsv.write_csv(pa.table({"stars": list(range(80)), "sentiment": [names[y] for y in labels],
+                              "review": texts}), d / "movie.csv")
+    t_texts, t_labels, _ = _rows("movie", 32, 2, split="test")
+    pq.write_table(pa.table({"review": t_texts, "sentiment": [names[y] for y in t_labels]}),
+                   d / "movie_test.parquet")
+    b_texts, b_labels, b_names = _rows("bbc", 80, 1)
+    # integer class ids, named on the command line
+    pq.write_table(pa.table({"text": b_texts, "label": b_labels}), d / "news.parquet")
+    s_texts, s_labels, _ = _rows("movie", 8, 3, split="dev")
+    (d / "shots.jsonl").write_text("".join(
+        json.dumps({"review": t, "sentiment": names[y]}) + "\n"
+        for t, y in zip(s_texts, s_labels, strict=True)))
+    return {"dir": d, "bbc_classes": ",".join(b_names)}
+
+
+MOVIE_COLS = ["--text-column", "review", "--label-column", "sentiment"]
+
+
+@pytest.fixture(scope="module")
+def released(files):
+    d = files["dir"]
+    out = {"movie": ok_json("train", "--data", d / "movie.csv", *MOVIE_COLS, "--test-data",
+                            d / "movie_test.parquet", "--epsilon", "4", *SMALL,
+                            "--out", d / "m_movie"),
+           "news": ok_json("train", "--data", d / "news.parquet", "--classes",
+                           files["bbc_classes"], "--epsilon", "4", *SMALL,
+                           "--out", d / "m_news")}
+    rc, _, err = cli("dock", "init", d / "dock")
+    assert rc == 0, err
+    for name, cols in (("movie", ["--data", d / "movie.csv", *MOVIE_COLS]),
+                       ("news", ["--data", d / "news.parquet", "--classes",
+                                 files["bbc_classes"]])):
+        out[f"s_{name}"] = ok_json("spec", "--dock", d / "dock", "--model", d / f"m_{name}",
+                                   *cols, "--examples", "32", "--epsilon", "64",
+                                   "--seq-len", "16", "--out", d / f"s_{name}")
+        rc, _, err = cli("dock", "submit", d / "dock", d / f"s_{name}", "--name", name,
+                         "--model", d / f"m_{name}")
+        assert rc == 0, err
+    return out
+
+
+def test_train_on_files_writes_a_dp_release_without_the_file(files, released):
+    from pavejax.release import load_release
+
+    d = files["dir"]
+    _, meta = load_release(d / "m_movie")
+    assert meta.extra["classes"] == ["negative", "positive"]  # inferred, sorted
+    assert meta.extra["data"]["file"] == {
+        "source": "file", "format": "csv", "text_column": "review",
+        "label_column": "sentiment", "label_source": "inferred", "split": "stratified",
+        "test_file": True}
+    g = meta.guarantee
+    assert g["kind"] == "dp" and g["relation"] == "replace_one" and g["epsilon"] <= 4 + 1e-6
+    assert meta.extra["data"]["num_train"] == 48 and released["movie"]["test_accuracy"] >= 0
+    _, news = load_release(d / "m_news")
+    assert news.extra["classes"] == files["bbc_classes"].split(",")
+    assert news.extra["data"]["recipe"] == "topic"
+    # the release names neither the file, its folder nor its hash
+    from pavejax.data import load_dataset_file
+    digest = load_dataset_file(d / "movie.csv", text_column="review",
+                               label_column="sentiment").metadata["files_sha256"]["movie.csv"]
+    for path in (d / "m_movie", d / "s_movie"):
+        text = "".join(p.read_text(errors="ignore") for p in path.rglob("*") if p.is_file())
+        assert "movie.csv" not in text and digest not in text and str(d) not in text
+
+
+def test_spec_of_a_file_model_composes_with_the_model(files, released):
+    s = released["s_movie"]
+    assert s["num_examples"] == 32 and s["task"] == "movie"
+    assert s["guarantee"]["kind"] == "dp" and s["guarantee"]["epsilon"] <= 64 + 1e-6
+    # the spec data are training rows of the model, so the composition is stated
+    assert "composed_with_model" in s and s["composed_with_model"]["relation"] == "replace_one"
+    assert math.isfinite(s["composed_with_model"]["epsilon"])
+    rc, _, err = cli("spec", "--dock", files["dir"] / "dock", "--model",
+                     files["dir"] / "m_movie", "--out", files["dir"] / "never")
+    assert rc == 1 and "pass it with --data" in err
+    assert not (files["dir"] / "never").exists()
+
+
+def test_user_shots_from_a_file_find_the_right_learnware(files, released):
+    d = files["dir"]
+    user = ok_json("spec", "--dock", d / "dock", "--user-data", d / "shots.jsonl", *MOVIE_COLS,
+                   "--seq-len", "16", "--out", d / "s_user")
+    assert user["num_examples"] == 8 and user["guarantee"]["kind"] == "none"
+    assert user["classes"] == ["negative", "positive"]
+    rc, out, err = cli("dock", "search", d / "dock", d / "s_user", "-k", "2", "--json")
+    assert rc == 0, err
+    assert [r["name"] for r in json.loads(out)] == ["movie", "news"]
+
+
+def test_bad_files_fail_clearly_and_write_nothing(files, released, tmp_path):
+    d = files["dir"]
+    (tmp_path / "bad_shots.jsonl").write_text(
+        '{"review": "great", "sentiment": "positive"}\n'
+        '{"review": "meh", "sentiment": "neutral"}\n')
+    cases = [
+        (["train", "--data", tmp_path / "missing.csv", "--epsilon", "4", *SMALL],
+         "missing.csv: no such file"),
+        (["train", "--data", d / "movie.csv", "--epsilon", "4", *SMALL],
+         "no text column 'text'; the columns are ['stars', 'sentiment', 'review']"),
+        (["train", "--task", "movie", "--classes", "a,b", "--epsilon", "4", *SMALL],
+         "--classes applies to --data only"),
+        (["spec", "--dock", d / "dock", "--user-data", tmp_path / "bad_shots.jsonl",
+          *MOVIE_COLS, "--classes", "negative,positive"],
+         "bad_shots.jsonl, row 2: label 'neutral' is not one of the stated classes"),
+        (["spec", "--dock", d / "dock", "--user-data", d / "shots.jsonl", "--text-column",
+          "review", "--label-column", "sentiment", "--classes", "negative,positive,neutral"],
+         "no shot of the classes ['neutral']"),
+    ]
+    for args, words in cases:
+        out = tmp_path / "out"
+        rc, _, err = cli(*args, "--out", out)
+        assert rc == 1 and words in err, (args, err)
+        assert not out.exists()
+    rc, out, _ = cli("dock", "list", d / "dock")
+    assert rc == 0 and out.count("| ") > 0 and "movie" in out and "news" in out
