@@ -169,7 +169,10 @@ def test_cached_and_whole_model_paths_train_the_same_adapter(work, mezo):
     assert sorted(top) == ["layers/1/mlp/down/kernel"]
     (p,) = top
     assert np.any(top[p]) and meta.extra["selection"]["selected_step"] > 0
-    np.testing.assert_allclose(top[p], whole[p], rtol=1e-4, atol=1e-6)
+    # one adapter up to float rounding, which the ZO steps carry forward (entries ~1e-3; a
+    # wrong path would differ by that much, not by the ~1e-6 seen across CPU kinds)
+    assert np.abs(top[p]).max() > 1e-4
+    np.testing.assert_allclose(top[p], whole[p], rtol=1e-3, atol=1e-5)
     assert _rank(top[p]) <= 2  # a rank-2 LoRA update
     for run in mezo.values():
         assert run["test_accuracy_before"] == pytest.approx(_accuracy_with(backbone, {}))
