@@ -124,6 +124,56 @@ def test_user_shots_from_a_file_find_the_right_learnware(files, released):
     assert [r["name"] for r in json.loads(out)] == ["movie", "news"]
 
 
+def test_search_straight_from_the_shots_file_writes_nothing(files, released, tmp_path):
+    d = files["dir"]
+    ok_json("spec", "--dock", d / "dock", "--user-data", d / "shots.jsonl", *MOVIE_COLS,
+            "--seq-len", "16", "--out", tmp_path / "ref_user")
+    before = sorted(p.name for p in d.iterdir())
+    rc, out, err = cli("dock", "search", d / "dock", "--user-data", d / "shots.jsonl",
+                       *MOVIE_COLS, "--seq-len", "16", "-k", "2", "--json")
+    assert rc == 0, err
+    rows = json.loads(out)
+    assert [r["name"] for r in rows] == ["movie", "news"]
+    # the same user spec as 'pavejax spec --user-data' (non-private, so deterministic)
+    rc, ref, err = cli("dock", "search", d / "dock", tmp_path / "ref_user", "-k", "2",
+                       "--json")
+    assert rc == 0, err
+    np.testing.assert_allclose([r["cosine"] for r in rows],
+                               [r["cosine"] for r in json.loads(ref)], rtol=1e-5)
+    assert sorted(p.name for p in d.iterdir()) == before
+
+
+def test_merge_evaluates_on_a_file_and_adapt_trains_on_one(files, released):
+    from pavejax.models import apply_head, embed_texts
+    from pavejax.release import load_release
+
+    d = files["dir"]
+    merged = ok_json("merge", "--base-classes", "negative,positive", "--models", d / "m_movie",
+                     "--op", "wa", "--eval-data", d / "shots.jsonl", *MOVIE_COLS,
+                     "--out", d / "merged")
+    tensors, meta = load_release(d / "merged")
+    assert "test_accuracy" not in meta.extra  # the user's eval file stays out of the release
+    shots = [json.loads(line) for line in (d / "shots.jsonl").read_text().splitlines()]
+    x = embed_texts([r["review"] for r in shots], max_length=16)
+    pred = np.asarray(apply_head({k: np.asarray(v) for k, v in tensors.items()}, x)).argmax(1)
+    want = np.mean(pred == np.array([r["sentiment"] == "positive" for r in shots]))
+    assert merged["test_accuracy"] == pytest.approx(want)
+    adapted = ok_json("adapt", "--model", d / "merged", "--data", d / "movie.csv", *MOVIE_COLS,
+                      "--mechanism", "zpl", "--steps", "4", "--pool-size", "32",
+                      "--dev-size", "8", "--test-size", "16", "--subsets", "4",
+                      "--out", d / "adapted")
+    _, ameta = load_release(d / "adapted")
+    assert ameta.guarantee["kind"] == "pac_mi" and ameta.guarantee["mutual_information_nats"] == 0
+    assert ameta.extra["data"]["pool_size"] == 32
+    assert ameta.extra["data"]["file"]["text_column"] == "review"
+    assert 0.0 <= adapted["test_accuracy"] <= 1.0
+    # labels outside the model's classes are refused by name
+    rc, _, err = cli("adapt", "--model", d / "merged", "--data", d / "news.parquet",
+                     "--classes", files["bbc_classes"], "--steps", "2", "--out", d / "never")
+    assert rc == 1 and "the model predicts ['negative', 'positive']" in err
+    assert not (d / "never").exists()
+
+
 def test_bad_files_fail_clearly_and_write_nothing(files, released, tmp_path):
     d = files["dir"]
     (tmp_path / "bad_shots.jsonl").write_text(

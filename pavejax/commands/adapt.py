@@ -73,9 +73,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                       help="the private task; its class names must be the model's (with --lm: "
                            "one --candidates entry per class, in class order)")
     data.add_argument("--data", type=Path, default=None,
-                      help='with --lm: the private labelled sentences, a JSON-lines file of '
-                           '{"sentence": "...", "label": i} records (i indexes --candidates), '
-                           'split 70/10/20 per label into pool/dev/test by --seed')
+                      help="the private labelled data of your own: " + sh.DATA_HELP + "; "
+                           "labels must be the model's class names (or ids in its class "
+                           "order); split 70/10/20 per label into pool/dev/test by --seed. "
+                           'With --lm: a JSON-lines file of {"sentence": "...", "label": i} '
+                           "records (i indexes --candidates)")
+    sh.add_data_file_arguments(p)
     lm = p.add_argument_group("language models")
     lm.add_argument("--lm", default=None,
                     help="adapt a causal LM: 'smollm2' (the installed SmolLM2-135M-Instruct), "
@@ -136,7 +139,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def _resolve_defaults(ns: argparse.Namespace) -> None:
     """Refuse LM-only flags without --lm (and a missing --model), then fill the defaults that
     differ between a classification head and an LM adapter."""
-    lm_only = {"--data": ns.data, "--template": ns.template, "--candidates": ns.candidates,
+    lm_only = {"--template": ns.template, "--candidates": ns.candidates,
                "--lm-path": ns.lm_path, "--rank": ns.rank, "--seq-len": ns.seq_len}
     if ns.lm is None:
         given = [k for k, v in lm_only.items() if v is not None]
@@ -148,6 +151,9 @@ def _resolve_defaults(ns: argparse.Namespace) -> None:
                              "language model")
         defaults = {"lr": 1e-2, "zo_eps": 1e-2}
     else:
+        if ns.test_data is not None or ns.classes is not None:
+            raise ValueError("--test-data and --classes apply to a classifier model; with --lm "
+                             "the classes are the --candidates")
         defaults = {**adapt_lm.DEFAULTS, "lm_path": "top"}
     for name, value in defaults.items():
         if getattr(ns, name) is None:
@@ -169,7 +175,7 @@ def run(ns: argparse.Namespace) -> int:
     import jax.numpy as jnp
 
     from pavejax.checkpointing import TrainCheckpointer
-    from pavejax.data import load_task
+    from pavejax.data import limit_task, load_task
     from pavejax.models import apply_head, example_loss
     from pavejax.paczero import init, train
     from pavejax.privacy import fresh_key
@@ -179,10 +185,25 @@ def run(ns: argparse.Namespace) -> int:
         return adapt_lm.run(ns)
     _zo.check_flags(ns)
     model = sh.load_model_release(ns.model)
-    task = load_task(ns.task, seed=ns.seed, max_train=ns.pool_size, max_dev=ns.dev_size,
-                     max_test=ns.test_size)
+    if ns.data is None:
+        for flag in ("test_data", "classes"):
+            if getattr(ns, flag) is not None:
+                raise ValueError(f"--{flag.replace('_', '-')} applies to --data only")
+        task = load_task(ns.task, seed=ns.seed, max_train=ns.pool_size, max_dev=ns.dev_size,
+                         max_test=ns.test_size)
+    else:
+        task = limit_task(sh.load_data_file(ns, ns.data, test_path=ns.test_data,
+                                            classes=model.classes),
+                          max_train=ns.pool_size, max_dev=ns.dev_size, max_test=ns.test_size,
+                          seed=ns.seed)
+        if task.modality != "text":
+            raise ValueError(f"{ns.data.name}: the model is a head on text features; give a "
+                             f"text column")
+        if not len(task.dev):
+            raise ValueError(f"{ns.data.name}: no dev rows for model selection; give more rows")
+    name = task.name
     if tuple(task.label_names) != model.classes:
-        raise ValueError(f"the model predicts {list(model.classes)} but task {ns.task!r} has "
+        raise ValueError(f"the model predicts {list(model.classes)} but task {name!r} has "
                          f"classes {list(task.label_names)}: adapt a model of this label space "
                          f"(e.g. merge models with --base-classes "
                          f"{','.join(task.label_names)})")
@@ -210,11 +231,13 @@ def run(ns: argparse.Namespace) -> int:
     final = jax.tree.map(jnp.asarray, state.best) if improved else model.params
     before, after = (sh.accuracy(p, test, model.classes) for p in (model.params, final))
     led = state.ledger
-    guarantee, risk = _zo.guarantee(ns, zcfg, led, n, ns.task)
+    guarantee, risk = _zo.guarantee(ns, zcfg, led, n, name)
     ledger = None if ns.mechanism == "mezo" else led
-    extra = {"task": ns.task, "classes": list(model.classes),
-             "test_accuracy": after, "test_accuracy_before": before,
-             "data": {"task": ns.task, "seed": ns.seed, "pool_size": n, "seq_len": seq_len},
+    data = {"task": name, "seed": ns.seed, "pool_size": n, "seq_len": seq_len}
+    if ns.data is not None:
+        data["file"] = sh.data_file_record(task, ns)
+    extra = {"task": name, "classes": list(model.classes),
+             "test_accuracy": after, "test_accuracy_before": before, "data": data,
              "selection": {"start_dev_loss": start_dev, "best_dev_loss": state.best_dev,
                            "selected_step": state.best_step if improved else 0},
              "unanimity_rate": state.unanimity_rate,
@@ -237,7 +260,7 @@ def run(ns: argparse.Namespace) -> int:
                "steps": state.step, "test_accuracy_before": before, "test_accuracy": after,
                "guarantee": guarantee}
     sh.emit(ns, summary, [
-        f"adapted with {ns.mechanism} on {n} private examples of {ns.task!r} ({state.step} "
+        f"adapted with {ns.mechanism} on {n} private examples of {name!r} ({state.step} "
         f"steps, unanimity rate {state.unanimity_rate:.3f})",
         *_zo.summary_lines(guarantee, ns.delta, before, after),
         f"model release: {ns.out} (content hash {digest})"])

@@ -10,6 +10,8 @@ import argparse
 import json
 from pathlib import Path
 
+from pavejax.commands import _shared as sh
+
 _PRIVACY_NOTE = (
     "The dock keeps the secret key of A in <dock>/secret (mode 0600): lend it only to the "
     "developers and users of this dock. Specs are compared only within one dock (same backbone, "
@@ -44,7 +46,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         help='JSON metadata, e.g. \'{"classes": ["negative", "positive"]}\'')
     search = sub.add_parser("search", help="rank the dock's learnwares for a user spec release")
     search.add_argument("dock", type=Path)
-    search.add_argument("spec", type=Path, help="user spec release directory")
+    search.add_argument("spec", type=Path, nargs="?", default=None,
+                        help="user spec release directory (or give --user-data)")
+    search.add_argument("--user-data", type=Path, default=None,
+                        help="instead of a spec release: the user's labelled shots (" +
+                             sh.DATA_HELP + "); a non-private user spec is made in this "
+                             "process, used for the search and never written")
+    sh.add_data_file_arguments(search, test=False)
+    search.add_argument("--seq-len", type=sh.positive_int, default=32,
+                        help="with --user-data: tokens per text (default %(default)s)")
+    search.add_argument("--clip", type=sh.positive_float, default=0.05,
+                        help="with --user-data: the per-shot clip C of the user spec "
+                             "(default %(default)s, as 'pavejax spec')")
     search.add_argument("-k", type=int, default=5, help="number of results (default 5)")
     search.add_argument("--score", choices=("cosine", "debiased", "posterior"),
                         default="cosine",
@@ -66,7 +79,6 @@ def _open(path: Path):
 
 
 def _subspace(ns: argparse.Namespace):
-    from pavejax.commands import _shared as sh
     from pavejax.commands.spec import parse_layers
     from pavejax.pave import subspace as sub_lib
 
@@ -128,7 +140,7 @@ def run(ns: argparse.Namespace) -> int:
         i = dock.submit(spec, name=ns.name, model=model, metadata=meta)
         print(f"submitted {ns.name!r} as id {i}")
     elif action == "search":
-        res = dock.search(load_spec(ns.spec), k=ns.k, score=ns.score)
+        res = dock.search(_query(ns), k=ns.k, score=ns.score)
         rows = [{"rank": r + 1, "id": i, "name": n, "cosine": float(c), "score": float(s)}
                 for r, (i, n, c, s) in enumerate(zip(res.ids, res.names, res.cosines,
                                                      res.scores, strict=True))]
@@ -162,3 +174,21 @@ def run(ns: argparse.Namespace) -> int:
                           "spec_info": dict(e.spec_info), "has_model": e.has_model,
                           "created": e.created}, indent=2, default=str))
     return 0
+
+
+def _query(ns: argparse.Namespace):
+    """The user spec of ``dock search``: a release, or made here from --user-data."""
+    from pavejax.release import load_spec
+
+    if (ns.spec is None) == (ns.user_data is None):
+        raise ValueError("give a user spec release directory or --user-data (one of them)")
+    if ns.spec is not None:
+        return load_spec(ns.spec)
+    from pavejax.commands import spec as spec_cmd
+
+    flags = argparse.Namespace(
+        dock=ns.dock, model=None, user_task=None, user_data=ns.user_data, task=None, data=None,
+        text_column=ns.text_column, label_column=ns.label_column, classes=ns.classes,
+        epsilon=None, delta=1e-5, clip=ns.clip, rank=None, layers=None, seq_len=ns.seq_len,
+        seed=0, shots=None, examples=None)
+    return spec_cmd.build_spec(flags)[0]

@@ -43,8 +43,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="optionally report the merged model's accuracy on this task's test "
                         "split (read without noise: that accuracy is not covered by any "
                         "guarantee)")
+    p.add_argument("--eval-data", type=Path, default=None,
+                   help="optionally report the merged model's accuracy on a labelled file of "
+                        "your own (" + sh.DATA_HELP + "; labels are the --base-classes names "
+                        "or ids in their order); printed only, never written into the release")
     p.add_argument("--eval-size", type=sh.positive_int, default=256,
-                   help="test examples for --eval-task")
+                   help="test examples for --eval-task or --eval-data")
+    sh.add_data_file_arguments(p, test=False)
     sh.add_output_arguments(p, "merged model")
 
 
@@ -111,10 +116,24 @@ def run(ns: argparse.Namespace) -> int:
                                                                     strict=True)],
              "data": {"seq_len": seq_len},
              "model": "linear head on frozen all-MiniLM-L6-v2 mean-pooled features"}
-    acc = None
+    acc = eval_name = None
+    if ns.eval_task is not None and ns.eval_data is not None:
+        raise ValueError("give --eval-task or --eval-data, not both")
     if ns.eval_task is not None:
         acc = _evaluate(merged, classes, ns.eval_task, ns.eval_size, seq_len)
+        eval_name = repr(ns.eval_task)
         extra["test_accuracy"] = {ns.eval_task: acc}
+    elif ns.eval_data is not None:
+        from pavejax.data import limit_task
+
+        own = sh.load_data_file(ns, ns.eval_data, split=False, classes=classes)
+        own = limit_task(own, max_train=ns.eval_size, seed=0)
+        if tuple(own.label_names) != classes:
+            raise ValueError(f"{ns.eval_data.name} has classes {list(own.label_names)}, the "
+                             f"merged model {list(classes)}; give labels of --base-classes")
+        acc = sh.accuracy(merged, sh.features(own.train.inputs, own.train.labels, seq_len),
+                          classes)
+        eval_name = "the --eval-data file (not written into the release)"
     digest = sh.save_model_release(
         ns.out, merged, kind="merged_model", mechanism=f"merge ({ns.op}) of released models",
         ledger=ledger, guarantee=guarantee, risk=risk,
@@ -131,7 +150,7 @@ def run(ns: argparse.Namespace) -> int:
     else:
         lines.append(f"guarantee: {guarantee['kind']} ({guarantee['note']})")
     if acc is not None:
-        lines.append(f"test accuracy on {ns.eval_task!r}: {acc:.4f}")
+        lines.append(f"test accuracy on {eval_name}: {acc:.4f}")
     lines.append(f"merged model release: {ns.out} (content hash {digest})")
     sh.emit(ns, summary, lines)
     return 0

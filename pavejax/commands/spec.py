@@ -115,10 +115,10 @@ def _with_facts(spec, **facts):
     return PaveSpec(spec.vector, spec.signature, spec.kind, dict(spec.info) | facts)
 
 
-def run(ns: argparse.Namespace) -> int:
+def build_spec(ns: argparse.Namespace):
+    """(spec, rank, layers, facts) of the flags of ``pavejax spec`` (nothing written)."""
     from pavejax.pave.dock import Dock
     from pavejax.pave.spec import PrivacyConfig, SpecConfig
-    from pavejax.release import save_spec
 
     if ns.model is None and (ns.task is not None or ns.data is not None):
         raise ValueError("--task and --data are for the model side (with --model); the user "
@@ -143,7 +143,13 @@ def run(ns: argparse.Namespace) -> int:
         res, facts, seq_len = _model_side(ns, config, a_key, layers)
     else:
         res, facts, seq_len = _user_side(ns, config, a_key, layers)
-    spec = _with_facts(res.spec, seq_len=seq_len, **facts)
+    return _with_facts(res.spec, seq_len=seq_len, **facts), rank, layers, facts
+
+
+def run(ns: argparse.Namespace) -> int:
+    from pavejax.release import save_spec
+
+    spec, rank, layers, facts = build_spec(ns)
     g = spec.info["guarantee"]
     if g["kind"] == "dp":
         risk = sh.risk_record(g["epsilon"], g["delta"]) | {
