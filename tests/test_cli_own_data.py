@@ -88,6 +88,11 @@ def test_train_on_files_writes_a_dp_release_without_the_file(files, released):
     g = meta.guarantee
     assert g["kind"] == "dp" and g["relation"] == "replace_one" and g["epsilon"] <= 4 + 1e-6
     assert meta.extra["data"]["num_train"] == 48 and released["movie"]["test_accuracy"] >= 0
+    rc, out, err = cli("ledger", d / "m_movie")
+    assert rc == 0, err
+    assert ("data file of the user's own (csv): text column 'review', label column "
+            "'sentiment', classes inferred, split stratified, test file given") in out
+    assert "data (public facts): num_train 48" in out and "movie.csv" not in out
     _, news = load_release(d / "m_news")
     assert news.extra["classes"] == files["bbc_classes"].split(",")
     assert news.extra["data"]["recipe"] == "topic"

@@ -59,6 +59,9 @@ def ledger_report(meta: Any, delta: float | None) -> dict[str, Any]:
     for key in ("task", "classes", "test_accuracy", "sources"):
         if key in meta.extra:
             out[key] = meta.extra[key]
+    data = meta.extra.get("data")
+    if isinstance(data, dict):
+        out["data"] = data
     return out
 
 
@@ -81,6 +84,18 @@ def _lines(path: Path, digest: str, r: dict[str, Any]) -> list[str]:
     for key in ("task", "classes", "test_accuracy"):
         if key in r:
             lines.append(f"  {key}: {r[key]}")
+    data = r.get("data") or {}
+    sizes = ", ".join(f"{k} {data[k]}" for k in ("num_train", "pool_size", "train_size",
+                                                   "test_size", "seq_len", "seed") if k in data)
+    if sizes:
+        lines.append(f"  data (public facts): {sizes}")
+    if isinstance(data.get("file"), dict):
+        f = data["file"]
+        lines.append(f"  data file of the user's own ({f.get('format')}): text column "
+                     f"{f.get('text_column')!r}, label column {f.get('label_column')!r}, "
+                     f"classes {f.get('label_source')}, split {f.get('split')}"
+                     f"{', test file given' if f.get('test_file') else ''}; its name and hash "
+                     f"are not in the release")
     lines.append(f"guarantee: {g.get('kind')}")
     if g.get("kind") == "dp":
         lines.append(f"  epsilon {_fmt(g['epsilon'])} at delta {g['delta']:g}, relation "
