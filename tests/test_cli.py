@@ -457,7 +457,7 @@ def test_adapt_refusals(work, merged):
 
 
 @real
-def test_ledger_prints_and_verifies(work, merged, adapted, tmp_path):
+def test_ledger_prints_and_verifies(work, dock, merged, adapted, tmp_path):
     rc, out, err = cli("ledger", work / "merged")
     assert rc == 0, err
     g = _release(work / "merged")[1].guarantee
@@ -471,7 +471,7 @@ def test_ledger_prints_and_verifies(work, merged, adapted, tmp_path):
     assert "replace-one" in report["ledger"]["unsupported"]["rdp"]
     rc, out, _ = cli("ledger", work / "a_zpl")
     assert rc == 0 and "mutual information 0 nats" in out and "upstream" in out
-    rc, out, _ = cli("ledger", work / "s_user")
+    rc, out, err = cli("ledger", work / "s_user")
     assert rc == 0 and "non-private" in out and "A itself is never released" in out
     # a modified release is refused
     import shutil
