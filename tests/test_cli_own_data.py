@@ -61,17 +61,16 @@ def released(files):
            "news": ok_json("train", "--data", d / "news.parquet", "--classes",
                            files["bbc_classes"], "--epsilon", "4", *SMALL,
                            "--out", d / "m_news")}
-    rc, _, err = cli("dock", "init", d / "dock")
-    assert rc == 0, err
+    assert ok_json("dock", "init", d / "dock")["learnwares"] == 0
     for name, cols in (("movie", ["--data", d / "movie.csv", *MOVIE_COLS]),
                        ("news", ["--data", d / "news.parquet", "--classes",
                                  files["bbc_classes"]])):
         out[f"s_{name}"] = ok_json("spec", "--dock", d / "dock", "--model", d / f"m_{name}",
                                    *cols, "--examples", "32", "--epsilon", "64",
                                    "--seq-len", "16", "--out", d / f"s_{name}")
-        rc, _, err = cli("dock", "submit", d / "dock", d / f"s_{name}", "--name", name,
-                         "--model", d / f"m_{name}")
-        assert rc == 0, err
+        sub = ok_json("dock", "submit", d / "dock", d / f"s_{name}", "--name", name,
+                      "--model", d / f"m_{name}")
+        assert sub["name"] == name and sub["has_model"]
     return out
 
 
@@ -203,5 +202,6 @@ def test_bad_files_fail_clearly_and_write_nothing(files, released, tmp_path):
         rc, _, err = cli(*args, "--out", out)
         assert rc == 1 and words in err, (args, err)
         assert not out.exists()
-    rc, out, _ = cli("dock", "list", d / "dock")
-    assert rc == 0 and out.count("| ") > 0 and "movie" in out and "news" in out
+    listed = ok_json("dock", "list", d / "dock")  # unchanged by the failures above
+    assert [e["name"] for e in listed] == ["movie", "news"]
+    assert all(e["has_model"] and e["guarantee"]["kind"] == "dp" for e in listed)

@@ -67,6 +67,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     search.add_argument("--json", action="store_true", help="print JSON instead of a table")
     lst = sub.add_parser("list", help="list the learnwares in the dock")
     lst.add_argument("dock", type=Path)
+    for cmd in (init, submit, lst):
+        cmd.add_argument("--json", action="store_true", help="print JSON instead of text")
     show = sub.add_parser("show", help="show one learnware's index record")
     show.add_argument("dock", type=Path)
     show.add_argument("learnware", help="id or name")
@@ -123,6 +125,11 @@ def run(ns: argparse.Namespace) -> int:
     if action == "init":
         subspace = None if ns.subspace is None else _subspace(ns)
         dock = Dock.create(ns.dock, exist_ok=ns.exist_ok, subspace=subspace)
+        if ns.json:
+            print(json.dumps({"dock": str(ns.dock), "learnwares": len(dock),
+                              "subspace": None if subspace is None else subspace.hash,
+                              "note": _PRIVACY_NOTE}, indent=2))
+            return 0
         where = "" if subspace is None else f" Coordinate subspace: {subspace!r}."
         print(f"dock ready at {ns.dock} ({len(dock)} learnwares).{where} {_PRIVACY_NOTE}")
         return 0
@@ -138,7 +145,12 @@ def run(ns: argparse.Namespace) -> int:
             if "classes" in model_meta.extra:
                 meta.setdefault("classes", list(model_meta.extra["classes"]))
         i = dock.submit(spec, name=ns.name, model=model, metadata=meta)
-        print(f"submitted {ns.name!r} as id {i}")
+        if ns.json:
+            print(json.dumps({"id": i, "name": ns.name, "has_model": model is not None,
+                              "guarantee": spec.info.get("guarantee")}, indent=2,
+                             default=_jsonable))
+        else:
+            print(f"submitted {ns.name!r} as id {i}")
     elif action == "search":
         res = dock.search(_query(ns), k=ns.k, score=ns.score)
         rows = [{"rank": r + 1, "id": i, "name": n, "cosine": float(c), "score": float(s)}
@@ -158,6 +170,13 @@ def run(ns: argparse.Namespace) -> int:
                 print(f"| {r['rank']} | {r['id']} | {r['name']} | {r['cosine']:.4f} | "
                       f"{r['score']:.4f} |{tail}")
     elif action == "list":
+        if ns.json:
+            print(json.dumps([{"id": e.id, "name": e.name, "rank": e.rank,
+                               "layers": list(e.layers), "has_model": e.has_model,
+                               "guarantee": e.spec_info.get("guarantee"),
+                               "metadata": e.metadata} for e in dock.list()],
+                             indent=2, default=_jsonable))
+            return 0
         print("| id | name | rank | layers | guarantee | model |\n|---|---|---|---|---|---|")
         for e in dock.list():
             g = e.spec_info.get("guarantee", {})
@@ -192,3 +211,10 @@ def _query(ns: argparse.Namespace):
         epsilon=None, delta=1e-5, clip=ns.clip, rank=None, layers=None, seq_len=ns.seq_len,
         seed=0, shots=None, examples=None)
     return spec_cmd.build_spec(flags)[0]
+
+
+def _jsonable(obj):
+    """json.dumps fallback: read-only mappings as dicts, NumPy scalars as floats."""
+    from collections.abc import Mapping
+
+    return dict(obj) if isinstance(obj, Mapping) else float(obj)
