@@ -180,3 +180,18 @@ def test_bad_inputs_name_the_file_and_row_and_write_nothing(tmp_path):
             files.load_dataset_file(path, **kw)
     assert sorted(p.name for p in tmp_path.iterdir()) == before  # nothing written
     assert len(cases) == 18
+
+
+@pytest.mark.assets
+def test_built_in_text_tasks_are_instances_of_the_same_loader(tmp_path):
+    """A built-in task written to a file and read back by load_dataset_file is the same task
+    (same rows, class order and split for the seed): one code path for both."""
+    from pavejax.data import load_task, text
+
+    texts, labels, _ = text.load_sentiment("tweets", 0.5)
+    path = _write(pa.table({"label": [text.SENTIMENT_LABELS[y] for y in labels],
+                            "text": list(texts)}), tmp_path / "tweets.parquet")
+    mine = files.load_dataset_file(path, classes=list(text.SENTIMENT_LABELS), seed=4)
+    assert task_fingerprint(mine) == task_fingerprint(load_task("tweets", seed=4))
+    with pytest.raises(ValueError, match="row 2: the text in column 'text' is blank"):
+        files.task_from_rows("x", ["a", " ", "c"], [0, 1, 0], classes=["n", "p"])

@@ -27,7 +27,7 @@ import numpy as np
 
 from pavejax.data.tasks import Split, Task, stratified_split
 
-__all__ = ["FORMATS", "load_dataset_file", "read_table"]
+__all__ = ["FORMATS", "load_dataset_file", "read_table", "task_from_rows"]
 
 FORMATS = {".csv": "csv", ".jsonl": "jsonl", ".json": "jsonl", ".ndjson": "jsonl",
            ".parquet": "parquet", ".pq": "parquet", ".arrow": "arrow"}
@@ -251,6 +251,53 @@ def _rows(path: Path, text_column: str, label_column: str,
     return out
 
 
+def task_from_rows(name: str, inputs: list[Any] | np.ndarray, labels: Sequence[Any], *,
+                   classes: Sequence[str] | None = None, split: Sequence[str] | None = None,
+                   dev_fraction: float = 0.1, test_fraction: float = 0.2, seed: int = 0,
+                   metadata: dict[str, Any] | None = None, where: str | None = None,
+                   ids: Sequence[str] | None = None) -> Task:
+    """A :class:`Task` from labelled rows: the one path behind :func:`load_dataset_file` and
+    the built-in text tasks (:func:`pavejax.data.load_task`).
+
+    ``inputs``: texts (checked: no empty or blank text) or a float32 ``(n, d)`` array;
+    ``labels``: class names or integer ids (see :func:`load_dataset_file`); ``split``: per row
+    ``"train"``/``"dev"``/``"test"``, else a :func:`stratified_split` by ``seed``. ``where``
+    names the source in error messages (default ``name``); ``ids`` (one per row) are kept per
+    split in ``metadata["ids"]``.
+    """
+    where = where or name
+    if len(inputs) == 0:
+        raise ValueError(f"{where}: no rows; a dataset needs labelled examples")
+    if len(labels) != len(inputs):
+        raise ValueError(f"{where}: {len(inputs)} inputs but {len(labels)} labels")
+    if not isinstance(inputs, np.ndarray):
+        inputs = _texts(list(inputs), "text", where)
+    values = _label_values(list(labels), "label", where)
+    codes, names = _encode_labels(values, _check_classes(classes), where)
+    if len(names) < 2:
+        raise ValueError(f"{where}: every row has the label {names[0]!r}; a classification "
+                         f"task needs at least 2 classes")
+    pool = Split(inputs, codes)
+    if split is not None:
+        split = np.asarray(split)
+        idx = {s: np.flatnonzero(split == s) for s in ("train", "dev", "test")}
+        rule: dict[str, Any] = {}
+    else:
+        tr, dv, te = stratified_split(pool.labels, dev_fraction=dev_fraction,
+                                      test_fraction=test_fraction, seed=seed)
+        idx = {"train": tr, "dev": dv, "test": te}
+        rule = {"split": "stratified", "seed": seed, "dev_fraction": dev_fraction,
+                "test_fraction": test_fraction}
+    if not len(idx["train"]):
+        raise ValueError(f"{where}: no training rows after the split; give more rows or a "
+                         f"smaller dev/test fraction")
+    meta = {**rule, **(metadata or {})}
+    if ids is not None:
+        meta["ids"] = {s: [ids[j] for j in i.tolist()] for s, i in idx.items()}
+    return Task(name, names, pool.take(idx["train"]), pool.take(idx["dev"]),
+                pool.take(idx["test"]), meta)
+
+
 def load_dataset_file(path: str | Path, *, text_column: str = "text",
                       label_column: str = "label",
                       feature_columns: Sequence[str] | None = None,
@@ -297,38 +344,11 @@ def load_dataset_file(path: str | Path, *, text_column: str = "text",
         Path(test_path), text_column, label_column, feature_columns, id_column, None)
     values = rows["labels"] + ([] if test_rows is None else test_rows["labels"])
     where = path.name if test_rows is None else f"{path.name} + {Path(test_path).name}"
-    labels, names = _encode_labels(values, classes, where)
-    if len(names) < 2:
-        raise ValueError(f"{where}: every row has the label {names[0]!r}; a classification "
-                         f"task needs at least 2 classes")
+    labels, names = _encode_labels(values, classes, where)  # one class list for both files
     n = rows["n"]
-    inputs = rows["inputs"]
-    pool = Split(inputs if isinstance(inputs, np.ndarray) else list(inputs), labels[:n])
-    if "split" in rows:
-        if test_rows is not None and (rows["split"] == "test").any():
-            raise ValueError(f"{path.name}: the split column says 'test' but a test file is "
-                             f"given too; use one or the other")
-        idx = {s: np.flatnonzero(rows["split"] == s) for s in ("train", "dev", "test")}
-        rule: dict[str, Any] = {"split": f"column {split_column!r}"}
-    else:
-        test_fraction = 0.0 if test_rows is not None else test_fraction
-        tr, dv, te = stratified_split(pool.labels, dev_fraction=dev_fraction,
-                                      test_fraction=test_fraction, seed=seed)
-        idx = {"train": tr, "dev": dv, "test": te}
-        rule = {"split": "stratified", "seed": seed, "dev_fraction": dev_fraction,
-                "test_fraction": test_fraction}
-    if not len(idx["train"]):
-        raise ValueError(f"{path.name}: no training rows after the split; give more rows or a "
-                         f"smaller dev/test fraction")
-    splits = {s: pool.take(i) for s, i in idx.items()}
-    ids = {s: [rows["ids"][j] for j in i.tolist()] for s, i in idx.items()} \
-        if "ids" in rows else None
-    if test_rows is not None:
-        t_in = test_rows["inputs"]
-        splits["test"] = Split(t_in if isinstance(t_in, np.ndarray) else list(t_in), labels[n:])
-        rule["test_file"] = Path(test_path).name
-        if ids is not None:
-            ids["test"] = test_rows["ids"]
+    if "split" in rows and test_rows is not None and (rows["split"] == "test").any():
+        raise ValueError(f"{path.name}: the split column says 'test' but a test file is given "
+                         f"too; use one or the other")
     files = {path.name: _digest(path)}
     if test_path is not None:
         files[Path(test_path).name] = _digest(Path(test_path))
@@ -337,7 +357,18 @@ def load_dataset_file(path: str | Path, *, text_column: str = "text",
         "columns": {"text": None if feature_columns is not None else text_column,
                     "features": None if feature_columns is None else list(feature_columns),
                     "label": label_column, "id": id_column, "split": split_column},
-        "label_source": "given" if classes is not None else "inferred", **rule}
-    if ids is not None:
-        meta["ids"] = ids
-    return Task(name or path.stem, names, splits["train"], splits["dev"], splits["test"], meta)
+        "label_source": "given" if classes is not None else "inferred"}
+    if "split" in rows:
+        meta["split"] = f"column {split_column!r}"
+    task = task_from_rows(name or path.stem, rows["inputs"], labels[:n].tolist(),
+                          classes=names, split=rows.get("split"), dev_fraction=dev_fraction,
+                          test_fraction=0.0 if test_rows is not None else test_fraction,
+                          seed=seed, metadata=meta, where=path.name, ids=rows.get("ids"))
+    if test_rows is None:
+        return task
+    t_in = test_rows["inputs"]
+    extra: dict[str, Any] = {"test_file": Path(test_path).name}
+    if "ids" in rows:
+        extra["ids"] = {**task.metadata["ids"], "test": test_rows["ids"]}
+    return task.replace(test=Split(t_in if isinstance(t_in, np.ndarray) else list(t_in),
+                                   labels[n:]), metadata=extra)

@@ -14,7 +14,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from pavejax.data import text, vision
+from pavejax.data.files import task_from_rows
 from pavejax.data.tasks import Task, group_classes_task, limit_task, split_task
 
 
@@ -36,18 +39,22 @@ def _register(name: str, modality: str, description: str,
     _REGISTRY[name] = TaskInfo(name, modality, description, build)
 
 
+# The text tasks are named instances of the loader of the user's own files
+# (pavejax.data.files.task_from_rows: the same checks, class encoding and split).
+
 def _sentiment_builder(domain: str) -> Callable[[int, float, float, dict[str, Any]], Task]:
     def build(seed: int, dev: float, test: float, options: dict[str, Any]) -> Task:
         texts, labels, meta = text.load_sentiment(domain, options.pop("min_abs_rating", 0.5))
-        return split_task(domain, texts, labels, text.SENTIMENT_LABELS, seed=seed,
-                          dev_fraction=dev, test_fraction=test, metadata=meta)
+        return task_from_rows(domain, list(texts), np.asarray(labels).tolist(),
+                              classes=text.SENTIMENT_LABELS, seed=seed, dev_fraction=dev,
+                              test_fraction=test, metadata=meta)
     return build
 
 
 def _bbc(seed: int, dev: float, test: float, options: dict[str, Any]) -> Task:
     texts, labels, classes, meta = text.load_bbc()
-    return split_task("bbc", texts, labels, classes, seed=seed, dev_fraction=dev,
-                      test_fraction=test, metadata=meta)
+    return task_from_rows("bbc", list(texts), np.asarray(labels).tolist(), classes=classes,
+                          seed=seed, dev_fraction=dev, test_fraction=test, metadata=meta)
 
 
 _IMAGE_LOADERS = {"digits": vision.load_digits, "mnist5k": vision.load_mnist5k}
