@@ -205,3 +205,52 @@ def test_bad_files_fail_clearly_and_write_nothing(files, released, tmp_path):
     listed = ok_json("dock", "list", d / "dock")  # unchanged by the failures above
     assert [e["name"] for e in listed] == ["movie", "news"]
     assert all(e["has_model"] and e["guarantee"]["kind"] == "dp" for e in listed)
+
+
+# --- a backbone of your own ----------------------------------------------------------------------
+
+
+def test_a_bert_folder_of_your_own_trains_specs_and_keeps_its_identity(files, released,
+                                                                        tmp_path):
+    """A tiny random BERT written in the Hugging Face layout (hidden 32, 2 layers, not MiniLM's
+    384 and 6) is the backbone of a model and its spec; its weights' hash is their identity,
+    so MiniLM releases and docks refuse them and the other way round, naming both."""
+    from pavejax.release import load_release
+    from tests.test_models import _write_tiny_checkpoint, tiny_model
+
+    bert = tmp_path / "tiny-bert"
+    bert.mkdir()
+    _write_tiny_checkpoint(bert, tiny_model(seed=3, scale=0.2))
+    rng = np.random.default_rng(0)
+    rows = [(" ".join(f"w{i}" for i in rng.integers(1, 60, 5)) + (" w99" if y else " w98"),
+             "yes" if y else "no") for y in rng.integers(0, 2, 80)]
+    pacsv.write_csv(pa.table({"text": [t for t, _ in rows], "label": [y for _, y in rows]}),
+                    tmp_path / "words.csv")
+    out = ok_json("train", "--data", tmp_path / "words.csv", "--backbone", bert,
+                  "--epsilon", "4", *SMALL, "--out", tmp_path / "m_tiny")
+    tensors, meta = load_release(tmp_path / "m_tiny")
+    assert tensors["kernel"].shape == (32, 2) and meta.backbone_id == "bert:tiny-bert"
+    _, minilm_meta = load_release(files["dir"] / "m_movie")
+    assert meta.backbone_hash != minilm_meta.backbone_hash
+    assert 0.0 <= out["test_accuracy"] <= 1.0
+    assert ok_json("dock", "init", tmp_path / "tiny-dock")["learnwares"] == 0
+    spec = ok_json("spec", "--dock", tmp_path / "tiny-dock", "--model", tmp_path / "m_tiny",
+                   "--data", tmp_path / "words.csv", "--backbone", bert, "--layers", "0,1",
+                   "--examples", "32", "--seq-len", "16", "--out", tmp_path / "s_tiny")
+    assert spec["layers"] == [0, 1] and spec["guarantee"]["kind"] == "dp"
+    _, smeta = load_release(tmp_path / "s_tiny")
+    assert smeta.backbone_hash == meta.backbone_hash
+    assert ok_json("dock", "submit", tmp_path / "tiny-dock", tmp_path / "s_tiny", "--name",
+                   "tiny", "--model", tmp_path / "m_tiny")["id"] == 1
+    # the model without its backbone, and a MiniLM spec in the tiny dock, are refused
+    rc, _, err = cli("spec", "--dock", tmp_path / "tiny-dock", "--model", tmp_path / "m_tiny",
+                     "--data", tmp_path / "words.csv", "--out", tmp_path / "never")
+    assert rc == 1 and "another backbone" in err and "bert:tiny-bert" in err
+    rc, _, err = cli("dock", "submit", tmp_path / "tiny-dock", files["dir"] / "s_movie",
+                     "--name", "minilm")
+    assert rc == 1 and "backbone_id: 'bert:tiny-bert' vs 'all-MiniLM-L6-v2'" in err
+    rc, _, err = cli("train", "--task", "movie", "--backbone", tmp_path / "nothing",
+                     "--epsilon", "4", *SMALL, "--out", tmp_path / "never")
+    assert rc == 1 and "missing ['config.json', 'model.safetensors', 'tokenizer.json']" in err
+    assert not (tmp_path / "never").exists()
+    assert [e["name"] for e in ok_json("dock", "list", tmp_path / "tiny-dock")] == ["tiny"]

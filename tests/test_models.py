@@ -526,7 +526,7 @@ def test_minilm_tokenizer_ignores_the_file_padding_settings():
 
 
 @pytest.mark.assets
-def test_text_embedding_cache(monkeypatch):
+def test_text_embedding_cache(monkeypatch, tmp_path):
     texts = ["A great, moving film.", "Terrible service, never again.",
              "Shares fell sharply on Monday.", "A great, moving film.", "The match ended 2-1."]
     before = len(embed_mod._EMBEDDINGS)
@@ -535,13 +535,28 @@ def test_text_embedding_cache(monkeypatch):
     assert len(embed_mod._EMBEDDINGS) - before <= 4  # the repeated sentence is encoded once
     np.testing.assert_array_equal(emb[0], emb[3])
     # Independent path: the encoder inside a TextClassifier with mean pooling.
-    graphdef, state, tokenizer, _ = embed_mod._minilm(16)
+    graphdef, state, tokenizer, _ = embed_mod._encoder(None, 16)
     model = TextClassifier(nnx.merge(graphdef, state), 2, rngs=nnx.Rngs(0), pooling="mean")
     tokens = tokenizer(texts)
     ref = nnx.jit(lambda m, ids, mask: m.features(ids, mask))(model, tokens.input_ids,
                                                                 tokens.attention_mask)
     np.testing.assert_allclose(emb, ref, rtol=1e-4, atol=1e-5)
     # A second call is served from the cache: the encoder is not touched.
-    monkeypatch.setattr(embed_mod, "_minilm",
+    # A BERT folder of one's own: its own features, cached under its own key.
+    source = tiny_model(seed=7, scale=0.2)
+    _write_tiny_checkpoint(tmp_path, source)
+    words = ["w1 w2 w3", "w4", "w1 w2 w3"]
+    mine = embed_texts(words, max_length=8, backbone=str(tmp_path))
+    model, tok = load_bert(tmp_path, max_length=8)
+    batch = tok(words)
+    ids, mask = jnp.asarray(batch.input_ids), jnp.asarray(batch.attention_mask)
+    np.testing.assert_allclose(mine, mean_pool(run(model, ids, mask), mask), rtol=1e-5,
+                               atol=1e-6)
+    assert mine.shape == (3, TINY.hidden_size)
+    assert embed_texts([], max_length=8, backbone=str(tmp_path)).shape == (0, TINY.hidden_size)
+    # A second call is served from the cache: the encoder is not touched.
+    monkeypatch.setattr(embed_mod, "_encoder",
                         lambda *a: pytest.fail("encoder called on a cache hit"))
     np.testing.assert_array_equal(embed_texts(texts[::-1], max_length=16), emb[::-1])
+    np.testing.assert_array_equal(embed_texts(words, max_length=8, backbone=str(tmp_path)),
+                                  mine)

@@ -140,38 +140,100 @@ def data_file_record(task: Any, ns: argparse.Namespace) -> dict[str, Any]:
 
 # --- backbone ---------------------------------------------------------------------------------
 
+BACKBONE_HELP = ("a BERT-family Hugging Face folder (config.json, model.safetensors, "
+                 "tokenizer.json) as the frozen text backbone instead of all-MiniLM-L6-v2; its "
+                 "weights' sha256 is the releases' backbone identity, so models, specs and "
+                 "docks of different backbones are refused together")
+
+# The backbone of this command: None (all-MiniLM-L6-v2) or a folder; set by select_backbone.
+_BACKBONE: list[str | None] = [None]
+
+
+def add_backbone_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--backbone", type=Path, default=None, help=BACKBONE_HELP)
+
+
+def select_backbone(ns: argparse.Namespace) -> None:
+    """Use ``ns.backbone`` (a folder, checked here) or MiniLM for this command."""
+    folder = getattr(ns, "backbone", None)
+    if folder is not None:
+        missing = [f for f in ("config.json", "model.safetensors", "tokenizer.json")
+                   if not (Path(folder) / f).is_file()]
+        if missing:
+            raise FileNotFoundError(f"--backbone {folder}: missing {missing}; give a Hugging "
+                                    f"Face BERT folder with config.json, model.safetensors and "
+                                    f"tokenizer.json")
+        folder = str(Path(folder).resolve())
+    _BACKBONE[0] = folder
+
+
+def backbone_folder() -> str | None:
+    return _BACKBONE[0]
+
 
 @functools.cache
+def _encoder(folder: str | None, seq_len: int):
+    from pavejax.models import load_bert, load_minilm
+
+    return load_minilm(max_length=seq_len) if folder is None else \
+        load_bert(folder, max_length=seq_len)
+
+
+def backbone_id() -> str:
+    """The releases' backbone name: all-MiniLM-L6-v2, or ``bert:<folder name>``."""
+    from pavejax.pave.text import MINILM_ID
+
+    folder = backbone_folder()
+    return MINILM_ID if folder is None else f"bert:{Path(folder).name}"
+
+
+def hidden_size() -> int:
+    folder = backbone_folder()
+    return HIDDEN if folder is None else int(_encoder(folder, 16)[0].config.hidden_size)
+
+
 def text_backbone(seq_len: int, layers: tuple[int, ...] | None):
-    """The PAVE text backbone (real all-MiniLM-L6-v2) at ``seq_len`` tokens, adapting the
-    attention query/value kernels of ``layers``; cached so compiled steps are reused."""
-    from pavejax.models import load_minilm
+    """The PAVE text backbone (all-MiniLM-L6-v2, or the ``--backbone`` folder) at ``seq_len``
+    tokens, adapting the attention query/value kernels of ``layers``; cached per backbone so
+    compiled steps are reused."""
+    return _text_backbone(seq_len, layers, backbone_folder(), backbone_id())
+
+
+@functools.cache
+def _text_backbone(seq_len: int, layers: tuple[int, ...] | None, folder: str | None,
+                   name: str):
     from pavejax.pave.text import TextSpecBackbone
 
-    encoder, tokenizer = load_minilm(max_length=seq_len)
-    return TextSpecBackbone(encoder, tokenizer, max_length=seq_len, layers=layers)
+    encoder, tokenizer = _encoder(folder, seq_len)
+    return TextSpecBackbone(encoder, tokenizer, max_length=seq_len, layers=layers,
+                            backbone_id=name)
 
 
 @functools.cache
-def minilm_hash() -> str:
-    """sha256 of the all-MiniLM-L6-v2 weights, as recorded in spec signatures."""
+def _weights_hash(folder: str | None) -> str:
     from flax import nnx
 
-    from pavejax.models import load_minilm
     from pavejax.pave.spec import backbone_hash
 
-    encoder, _ = load_minilm(max_length=16)  # the weights do not depend on max_length
+    encoder, _ = _encoder(folder, 16)  # the weights do not depend on max_length
     return backbone_hash(nnx.to_pure_dict(nnx.split(encoder)[1]))
 
 
+def minilm_hash() -> str:
+    """sha256 of the backbone's weights (all-MiniLM-L6-v2 unless ``--backbone``), as recorded
+    in spec signatures and model releases."""
+    return _weights_hash(backbone_folder())
+
+
 def features(texts: Sequence[str], labels: Any, seq_len: int) -> dict[str, Any]:
-    """``{"x": (n, 384) float32 frozen MiniLM mean-pooled features, "y": (n,) int32}``."""
+    """``{"x": (n, hidden) float32 frozen mean-pooled backbone features, "y": (n,) int32}``."""
     import jax.numpy as jnp
     import numpy as np
 
     from pavejax.models import embed_texts
 
-    return {"x": jnp.asarray(embed_texts(list(texts), max_length=seq_len)),
+    return {"x": jnp.asarray(embed_texts(list(texts), max_length=seq_len,
+                                         backbone=backbone_folder())),
             "y": jnp.asarray(np.asarray(labels), jnp.int32)}
 
 
@@ -218,10 +280,9 @@ def save_model_release(out: Path, params: Mapping[str, Any], *, kind: str, mecha
     """Write a head as a release (see the module docstring); returns its content hash."""
     import numpy as np
 
-    from pavejax.pave.text import MINILM_ID
     from pavejax.release import ReleaseMetadata, save_release
 
-    meta = ReleaseMetadata(kind=kind, backbone_id=MINILM_ID, backbone_hash=minilm_hash(),
+    meta = ReleaseMetadata(kind=kind, backbone_id=backbone_id(), backbone_hash=minilm_hash(),
                            mechanism=mechanism, ledger=ledger, guarantee=guarantee,
                            hyperparameters=hyperparameters, risk=risk, extra=extra)
     tensors = {"kernel": np.asarray(params["kernel"], np.float32),
@@ -240,9 +301,11 @@ def load_model_release(path: Path) -> ModelRelease:
         raise ValueError(f"{path} holds a {meta.kind!r} release, not a model; pass a directory "
                          f"written by 'pavejax train', 'merge' or 'adapt'")
     classes = tuple(meta.extra.get("classes", ()))
-    if set(tensors) != {"kernel", "bias"} or tensors["kernel"].shape != (HIDDEN, len(classes)):
-        raise ValueError(f"{path} is not a classification head on MiniLM features (expected "
-                         f"tensors kernel ({HIDDEN}, k) and bias (k,) with k class names)")
+    hidden = hidden_size()
+    if set(tensors) != {"kernel", "bias"} or tensors["kernel"].shape != (hidden, len(classes)):
+        raise ValueError(f"{path} is not a classification head on {backbone_id()} features "
+                         f"(expected tensors kernel ({hidden}, k) and bias (k,) with k class "
+                         f"names)")
     params = {"kernel": jnp.asarray(tensors["kernel"]), "bias": jnp.asarray(tensors["bias"])}
     return ModelRelease(params, meta, classes, dict(meta.extra.get("data", {})))
 

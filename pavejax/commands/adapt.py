@@ -133,6 +133,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "the secret subset index and generator state: keep it private, it is "
                         "not a release")
     p.add_argument("--progress", action="store_true", help="show a progress bar")
+    p.add_argument("--backbone", type=Path, default=None,
+                   help="without --lm: " + sh.BACKBONE_HELP)
     sh.add_output_arguments(p, "adapted model")
 
 
@@ -151,6 +153,9 @@ def _resolve_defaults(ns: argparse.Namespace) -> None:
                              "language model")
         defaults = {"lr": 1e-2, "zo_eps": 1e-2}
     else:
+        if ns.backbone is not None:
+            raise ValueError("--backbone applies to a classifier model; with --lm the backbone "
+                             "is the language model")
         if ns.test_data is not None or ns.classes is not None:
             raise ValueError("--test-data and --classes apply to a classifier model; with --lm "
                              "the classes are the --candidates")
@@ -184,6 +189,7 @@ def run(ns: argparse.Namespace) -> int:
     if ns.lm is not None:
         return adapt_lm.run(ns)
     _zo.check_flags(ns)
+    sh.select_backbone(ns)
     model = sh.load_model_release(ns.model)
     if ns.data is None:
         for flag in ("test_data", "classes"):
@@ -245,7 +251,7 @@ def run(ns: argparse.Namespace) -> int:
                           "mechanism": model.meta.mechanism, "guarantee": model.meta.guarantee,
                           "ledger": model.meta.ledger,
                           "note": "the input model's guarantee on its own training data"},
-             "model": "linear head on frozen all-MiniLM-L6-v2 mean-pooled features"}
+             "model": f"linear head on frozen {sh.backbone_id()} mean-pooled features"}
     hyper = {"mechanism": ns.mechanism, "steps": ns.steps, "learning_rate": ns.lr,
              "perturbation_scale": ns.zo_eps, "num_subsets": zcfg.num_subsets,
              "mi_budget": ns.mi_budget,

@@ -33,6 +33,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     init.add_argument("--layers", default="4,5",
                       help="with --subspace: the encoder layers whose query/value kernels the "
                       "specs adapt (default %(default)s)")
+    init.add_argument("--backbone", type=Path, default=None,
+                      help="with --subspace: " + sh.BACKBONE_HELP)
     init.add_argument("--seq-len", type=int, default=32,
                       help="with --subspace calibrated: tokens per public text (default "
                       "%(default)s)")
@@ -53,6 +55,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                              sh.DATA_HELP + "); a non-private user spec is made in this "
                              "process, used for the search and never written")
     sh.add_data_file_arguments(search, test=False)
+    search.add_argument("--backbone", type=Path, default=None,
+                        help="with --user-data: " + sh.BACKBONE_HELP)
     search.add_argument("--seq-len", type=sh.positive_int, default=32,
                         help="with --user-data: tokens per text (default %(default)s)")
     search.add_argument("--clip", type=sh.positive_float, default=0.05,
@@ -122,6 +126,7 @@ def run(ns: argparse.Namespace) -> int:
     from pavejax.release import load_release, load_spec
 
     action = ns.dock_command
+    sh.select_backbone(ns)  # --backbone where the action takes one, else all-MiniLM-L6-v2
     if action == "init":
         subspace = None if ns.subspace is None else _subspace(ns)
         dock = Dock.create(ns.dock, exist_ok=ns.exist_ok, subspace=subspace)
@@ -209,7 +214,7 @@ def _query(ns: argparse.Namespace):
         dock=ns.dock, model=None, user_task=None, user_data=ns.user_data, task=None, data=None,
         text_column=ns.text_column, label_column=ns.label_column, classes=ns.classes,
         epsilon=None, delta=1e-5, clip=ns.clip, rank=None, layers=None, seq_len=ns.seq_len,
-        seed=0, shots=None, examples=None)
+        seed=0, shots=None, examples=None, backbone=ns.backbone)
     return spec_cmd.build_spec(flags)[0]
 
 

@@ -50,6 +50,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--eval-size", type=sh.positive_int, default=256,
                    help="test examples for --eval-task or --eval-data")
     sh.add_data_file_arguments(p, test=False)
+    sh.add_backbone_argument(p)
     sh.add_output_arguments(p, "merged model")
 
 
@@ -99,12 +100,13 @@ def run(ns: argparse.Namespace) -> int:
     from pavejax.models import head0
     from pavejax.pave.reuse import merge_topk
 
+    sh.select_backbone(ns)
     classes = tuple(c.strip() for c in ns.base_classes.split(",") if c.strip())
     if len(classes) < 2:
         raise ValueError(f"--base-classes needs at least two class names, got {classes}")
     models = [sh.load_model_release(p) for p in ns.models]
     seq_len = _check_sources(models, classes, ns.models)
-    base = head0(sh.HIDDEN, classes)
+    base = head0(sh.hidden_size(), classes)
     hyper = {"key": jax.random.key(ns.seed)} if ns.op == "dare" else {}
     merged = merge_topk(base, [m.params for m in models], op=ns.op, **hyper)
     ledger, guarantee = combined_guarantee([m.meta for m in models], ns.models)
@@ -115,7 +117,7 @@ def run(ns: argparse.Namespace) -> int:
                           m.meta.extra.get("task")} for m, p in zip(models, ns.models,
                                                                     strict=True)],
              "data": {"seq_len": seq_len},
-             "model": "linear head on frozen all-MiniLM-L6-v2 mean-pooled features"}
+             "model": f"linear head on frozen {sh.backbone_id()} mean-pooled features"}
     acc = eval_name = None
     if ns.eval_task is not None and ns.eval_data is not None:
         raise ValueError("give --eval-task or --eval-data, not both")

@@ -69,6 +69,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="tokens per text (default: the model's; 32 on the user side)")
     p.add_argument("--seed", type=int, default=0,
                    help="user side: public seed of the task split and the shot choice")
+    sh.add_backbone_argument(p)
     sh.add_output_arguments(p, "spec")
 
 
@@ -120,6 +121,7 @@ def build_spec(ns: argparse.Namespace):
     from pavejax.pave.dock import Dock
     from pavejax.pave.spec import PrivacyConfig, SpecConfig
 
+    sh.select_backbone(ns)
     if ns.model is None and (ns.task is not None or ns.data is not None):
         raise ValueError("--task and --data are for the model side (with --model); the user "
                          "side takes --user-task or --user-data")

@@ -68,12 +68,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seq-len", type=sh.positive_int, default=32, help="tokens per text")
     p.add_argument("--seed", type=int, default=0,
                    help="public seed of the train/test split (not of the noise)")
+    sh.add_backbone_argument(p)
     sh.add_output_arguments(p, "model")
 
 
 def run(ns: argparse.Namespace) -> int:
     from pavejax.lifecycle import train_developer
 
+    sh.select_backbone(ns)
     task, recipe, name = None, None, ns.task
     if ns.data is None:
         for flag in ("test_data", "classes", "recipe"):
@@ -90,8 +92,8 @@ def run(ns: argparse.Namespace) -> int:
                               dev_l2_clip=ns.clip, seed=ns.seed)
     # train_developer draws its noise and sampling key fresh from the OS (never recorded); the
     # split seed stays public and reproducible.
-    params, classes, train, _, acc, res, mcfg = train_developer(cfg, name, task=task,
-                                                                recipe=recipe)
+    params, classes, train, _, acc, res, mcfg = train_developer(
+        cfg, name, task=task, recipe=recipe, backbone=sh.backbone_folder())
     n = int(train["y"].shape[0])
     mechanism = f"dp-merging (DP-SAM mode {ns.mode!r} + anchor {mcfg.anchor})"
     protects = (f"each training example (text and label) of the {n} used from task "
@@ -122,7 +124,7 @@ def run(ns: argparse.Namespace) -> int:
     if task is not None:
         data |= {"file": sh.data_file_record(task, ns), "recipe": recipe}
     extra = {"task": name, "classes": list(classes), "test_accuracy": acc, "data": data,
-             "model": "linear head on frozen all-MiniLM-L6-v2 mean-pooled features"}
+             "model": f"linear head on frozen {sh.backbone_id()} mean-pooled features"}
     digest = sh.save_model_release(ns.out, params, kind="model", mechanism=mechanism,
                                    ledger=res.ledger, guarantee=guarantee, risk=risk,
                                    hyperparameters=hyper, extra=extra, overwrite=ns.overwrite)
