@@ -1,11 +1,14 @@
 """The command line on the user's own files (real MiniLM, real text written to files the way a
 user would: shuffled columns, an extra column, CSV / Parquet / JSON Lines, integer labels with
 named classes): `train --data` -> `spec --model --data` -> `dock submit` -> `spec --user-data`
--> `dock search` finds the right learnware first; releases never name or hash the data file;
-bad files fail with the file and row named and leave nothing behind."""
+-> `dock search` finds the right learnware first -> `merge --eval-data` -> `adapt --data`, each
+stage of that chain run as `python -m pavejax` in a subprocess; releases never name or hash the
+data file; bad files fail with the file and row named and leave nothing behind (in-process)."""
 
 import json
 import math
+import subprocess
+import sys
 
 import numpy as np
 import pyarrow as pa
@@ -52,23 +55,31 @@ def files(tmp_path_factory):
 MOVIE_COLS = ["--text-column", "review", "--label-column", "sentiment"]
 
 
+def run_json(*args) -> dict:
+    """``python -m pavejax *args --json`` in a subprocess, as a user runs it (~10 s each)."""
+    r = subprocess.run([sys.executable, "-m", "pavejax", *map(str, args), "--json"],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)
+
+
 @pytest.fixture(scope="module")
 def released(files):
     d = files["dir"]
-    out = {"movie": ok_json("train", "--data", d / "movie.csv", *MOVIE_COLS, "--test-data",
+    out = {"movie": run_json("train", "--data", d / "movie.csv", *MOVIE_COLS, "--test-data",
                             d / "movie_test.parquet", "--epsilon", "4", *SMALL,
                             "--out", d / "m_movie"),
-           "news": ok_json("train", "--data", d / "news.parquet", "--classes",
+           "news": run_json("train", "--data", d / "news.parquet", "--classes",
                            files["bbc_classes"], "--epsilon", "4", *SMALL,
                            "--out", d / "m_news")}
-    assert ok_json("dock", "init", d / "dock")["learnwares"] == 0
+    assert run_json("dock", "init", d / "dock")["learnwares"] == 0
     for name, cols in (("movie", ["--data", d / "movie.csv", *MOVIE_COLS]),
                        ("news", ["--data", d / "news.parquet", "--classes",
                                  files["bbc_classes"]])):
-        out[f"s_{name}"] = ok_json("spec", "--dock", d / "dock", "--model", d / f"m_{name}",
+        out[f"s_{name}"] = run_json("spec", "--dock", d / "dock", "--model", d / f"m_{name}",
                                    *cols, "--examples", "32", "--epsilon", "64",
                                    "--seq-len", "16", "--out", d / f"s_{name}")
-        sub = ok_json("dock", "submit", d / "dock", d / f"s_{name}", "--name", name,
+        sub = run_json("dock", "submit", d / "dock", d / f"s_{name}", "--name", name,
                       "--model", d / f"m_{name}")
         assert sub["name"] == name and sub["has_model"]
     return out
@@ -119,13 +130,12 @@ def test_spec_of_a_file_model_composes_with_the_model(files, released):
 
 def test_user_shots_from_a_file_find_the_right_learnware(files, released):
     d = files["dir"]
-    user = ok_json("spec", "--dock", d / "dock", "--user-data", d / "shots.jsonl", *MOVIE_COLS,
+    user = run_json("spec", "--dock", d / "dock", "--user-data", d / "shots.jsonl", *MOVIE_COLS,
                    "--seq-len", "16", "--out", d / "s_user")
     assert user["num_examples"] == 8 and user["guarantee"]["kind"] == "none"
     assert user["classes"] == ["negative", "positive"]
-    rc, out, err = cli("dock", "search", d / "dock", d / "s_user", "-k", "2", "--json")
-    assert rc == 0, err
-    assert [r["name"] for r in json.loads(out)] == ["movie", "news"]
+    found = run_json("dock", "search", d / "dock", d / "s_user", "-k", "2")
+    assert [r["name"] for r in found] == ["movie", "news"]
 
 
 def test_search_straight_from_the_shots_file_writes_nothing(files, released, tmp_path):
@@ -152,7 +162,7 @@ def test_merge_evaluates_on_a_file_and_adapt_trains_on_one(files, released):
     from pavejax.release import load_release
 
     d = files["dir"]
-    merged = ok_json("merge", "--base-classes", "negative,positive", "--models", d / "m_movie",
+    merged = run_json("merge", "--base-classes", "negative,positive", "--models", d / "m_movie",
                      "--op", "wa", "--eval-data", d / "shots.jsonl", *MOVIE_COLS,
                      "--out", d / "merged")
     tensors, meta = load_release(d / "merged")
@@ -162,7 +172,7 @@ def test_merge_evaluates_on_a_file_and_adapt_trains_on_one(files, released):
     pred = np.asarray(apply_head({k: np.asarray(v) for k, v in tensors.items()}, x)).argmax(1)
     want = np.mean(pred == np.array([r["sentiment"] == "positive" for r in shots]))
     assert merged["test_accuracy"] == pytest.approx(want)
-    adapted = ok_json("adapt", "--model", d / "merged", "--data", d / "movie.csv", *MOVIE_COLS,
+    adapted = run_json("adapt", "--model", d / "merged", "--data", d / "movie.csv", *MOVIE_COLS,
                       "--mechanism", "zpl", "--steps", "4", "--pool-size", "32",
                       "--dev-size", "8", "--test-size", "16", "--subsets", "4",
                       "--out", d / "adapted")
