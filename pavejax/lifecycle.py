@@ -178,7 +178,8 @@ def train_developer(cfg: LifecycleConfig, task_name: str, noise_key: jax.Array |
         relation="replace_one", accountant="pld")
     params0 = head0(int(train["x"].shape[1]), classes)
     res = mt.train_task(example_loss, params0, None, train,
-                        fresh_key() if noise_key is None else noise_key, mcfg)
+                        fresh_key() if noise_key is None else noise_key, mcfg,
+                        progress=cfg.progress)
     acc = _accuracy(res.params, test, classes, classes)
     return res.params, classes, train, list(task.train.inputs), acc, res, mcfg
 

@@ -236,8 +236,11 @@ def test_a_bert_folder_of_your_own_trains_specs_and_keeps_its_identity(files, re
              "yes" if y else "no") for y in rng.integers(0, 2, 80)]
     pacsv.write_csv(pa.table({"text": [t for t, _ in rows], "label": [y for _, y in rows]}),
                     tmp_path / "words.csv")
-    out = ok_json("train", "--data", tmp_path / "words.csv", "--backbone", bert,
-                  "--epsilon", "4", *SMALL, "--out", tmp_path / "m_tiny")
+    rc, text, err = cli("train", "--data", tmp_path / "words.csv", "--backbone", bert,
+                        "--epsilon", "4", *SMALL, "--progress", "--json", "--out",
+                        tmp_path / "m_tiny")
+    assert rc == 0, err  # (--progress draws its bar on a terminal only; here it is off)
+    out = json.loads(text)
     tensors, meta = load_release(tmp_path / "m_tiny")
     assert tensors["kernel"].shape == (32, 2) and meta.backbone_id == "bert:tiny-bert"
     _, minilm_meta = load_release(files["dir"] / "m_movie")

@@ -259,7 +259,8 @@ def lifecycle_config(**overrides: Any):
 
     devs = overrides.get("developers", ())
     overrides.setdefault("user_task", next(t for t in TEXT_TASKS if t not in devs))
-    return LifecycleConfig(progress=False, **overrides)
+    overrides.setdefault("progress", False)
+    return LifecycleConfig(**overrides)
 
 
 # --- model releases ---------------------------------------------------------------------------

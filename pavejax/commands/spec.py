@@ -70,6 +70,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0,
                    help="user side: public seed of the task split and the shot choice")
     sh.add_backbone_argument(p)
+    p.add_argument("--progress", action="store_true",
+                   help="show a progress bar (with ETA) over the spec's steps")
     sh.add_output_arguments(p, "spec")
 
 
@@ -136,10 +138,11 @@ def build_spec(ns: argparse.Namespace):
         delta=ns.delta)
     # DP-S-PAVE draws its noise key fresh from the OS (generate_spec's default)
     # a non-private spec (the user side) clips each example like the DP release, without noise
-    config = (SpecConfig.preset("one_step", rank=rank, progress=False, privacy=privacy)
+    progress = bool(getattr(ns, "progress", False))
+    config = (SpecConfig.preset("one_step", rank=rank, progress=progress, privacy=privacy)
               if privacy is not None else
               SpecConfig.preset("one_step_clipped", rank=rank, example_clip=ns.clip,
-                                progress=False))
+                                progress=progress))
     config = dataclasses.replace(config, subspace=subspace)  # the dock's coordinates, if any
     if ns.model is not None:
         res, facts, seq_len = _model_side(ns, config, a_key, layers)

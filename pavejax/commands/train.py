@@ -69,6 +69,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0,
                    help="public seed of the train/test split (not of the noise)")
     sh.add_backbone_argument(p)
+    p.add_argument("--progress", action="store_true",
+                   help="show a progress bar (with ETA) over the training steps")
     sh.add_output_arguments(p, "model")
 
 
@@ -89,7 +91,7 @@ def run(ns: argparse.Namespace) -> int:
                               dev_train=ns.train_size, dev_test=ns.test_size,
                               dev_target_epsilon=ns.epsilon, delta=ns.delta, dev_steps=ns.steps,
                               dev_batch=ns.batch_size, dev_mode=ns.mode, dev_lr=ns.lr,
-                              dev_l2_clip=ns.clip, seed=ns.seed)
+                              dev_l2_clip=ns.clip, seed=ns.seed, progress=ns.progress)
     # train_developer draws its noise and sampling key fresh from the OS (never recorded); the
     # split seed stays public and reproducible.
     params, classes, train, _, acc, res, mcfg = train_developer(
