@@ -573,6 +573,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="reinstall even when present and verified")
     parser.add_argument("--check", action="store_true",
                         help="only verify (re-hash) installed assets; install nothing")
+    parser.add_argument("--json", action="store_true",
+                        help="print a JSON summary on stdout (the log goes to stderr)")
 
 
 def run(ns: argparse.Namespace) -> int:
@@ -580,25 +582,34 @@ def run(ns: argparse.Namespace) -> int:
 
     The selection is ``--only`` (else :data:`DEFAULT_ASSETS`) plus the optional ``--with`` ones.
     """
+    as_json = bool(getattr(ns, "json", False))
+    log_to = sys.stderr if as_json else sys.stdout
+
+    def say(text: str) -> None:
+        print(text, file=log_to, flush=True)
+
     cache = (ns.cache_dir or cache_dir()).expanduser().resolve()
     selected = [*(ns.only or DEFAULT_ASSETS), *ns.with_optional]
     names = tuple(dict.fromkeys(selected))  # in order, without repeats
-    print(f"pavejax assets: cache {cache}", flush=True)
-    failed = []
+    say(f"pavejax assets: cache {cache}")
+    failed, status = [], {}
     for name in names:
         try:
             if ns.check:
-                print(f"[{name}] verified: {verify(name, cache=cache)}", flush=True)
+                say(f"[{name}] verified: {verify(name, cache=cache)}")
             else:
-                install(name, cache=cache, force=ns.force,
-                        log=lambda s: print(s, flush=True))
+                install(name, cache=cache, force=ns.force, log=say)
+            status[name] = "verified"
         except (AssetError, ValueError) as err:
             print(f"[{name}] FAILED: {err}", file=sys.stderr, flush=True)
             failed.append(name)
+            status[name] = f"failed: {err}"
     if ns.cache_dir is not None and cache != cache_dir().resolve():
-        print(f"note: set PAVEJAX_CACHE={cache} so that pavejax finds these assets", flush=True)
+        say(f"note: set PAVEJAX_CACHE={cache} so that pavejax finds these assets")
+    if as_json:
+        print(json.dumps({"cache": str(cache), "assets": status, "failed": failed}, indent=2))
     if failed:
         print(f"pavejax assets: {len(failed)} failed: {', '.join(failed)}", file=sys.stderr)
         return 1
-    print(f"pavejax assets: all {len(names)} verified", flush=True)
+    say(f"pavejax assets: all {len(names)} verified")
     return 0

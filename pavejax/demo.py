@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import sys
 from pathlib import Path
 
 from pavejax.lifecycle import LifecycleConfig
@@ -43,6 +44,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="tiny settings for a smoke test (seconds to a minute; numbers mean "
                         "little)")
     p.add_argument("--seed", type=int, default=d.seed, help="seed of every random choice")
+    p.add_argument("--json", action="store_true",
+                   help="print the summary as JSON on stdout (the stage log goes to stderr)")
 
 
 def config_from_args(ns: argparse.Namespace) -> LifecycleConfig:
@@ -68,5 +71,12 @@ def run(ns: argparse.Namespace) -> int:
         jax.config.update("jax_platforms", ns.backend)
     from pavejax.lifecycle import run_lifecycle
 
-    run_lifecycle(config_from_args(ns))
+    if getattr(ns, "json", False):
+        import json
+
+        summary = run_lifecycle(config_from_args(ns),
+                                log=lambda msg: print(msg, file=sys.stderr, flush=True))
+        print(json.dumps(summary, indent=2, default=float))
+    else:
+        run_lifecycle(config_from_args(ns))
     return 0

@@ -75,6 +75,13 @@ def test_check_on_empty_cache_fails(tmp_path, capsys):
     assert assets.run(_ns("--cache-dir", str(tmp_path), "--check", "--only", "vader", "bbc")) == 1
     err = capsys.readouterr().err
     assert "[vader] FAILED" in err and "[bbc] FAILED" in err
+    # --json: the summary alone on stdout, the log and the failures on stderr
+    assert assets.run(_ns("--cache-dir", str(tmp_path), "--check", "--only", "vader",
+                          "--json")) == 1
+    captured = capsys.readouterr()
+    report = json.loads(captured.out)
+    assert report["failed"] == ["vader"] and report["assets"]["vader"].startswith("failed: ")
+    assert report["cache"] == str(tmp_path.resolve()) and "[vader] FAILED" in captured.err
 
 
 def test_cli_flags_parse(tmp_path):
@@ -307,6 +314,8 @@ def test_installed_assets_verify_by_rehashing(capsys):
     out = capsys.readouterr().out
     assert "[bbc] verified" in out and "[smollm2] verified" in out and "all 6 verified" in out
     assert "[squad]" not in out  # optional: never part of the default selection
+    assert assets.run(_ns("--check", "--only", "vader", "--json")) == 0
+    assert json.loads(capsys.readouterr().out)["assets"] == {"vader": "verified"}
 
 
 @pytest.mark.assets

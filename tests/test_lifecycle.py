@@ -66,3 +66,13 @@ def test_quick_demo_writes_report_summary_and_ledgers(tmp_path):
     run_lifecycle(cfg, log=lines.append)
     assert sum("already in the dock" in line for line in lines) == len(cfg.developers)
     assert len(Dock.open(out / "dock")) == len(cfg.developers)
+    # 'pavejax demo --json': the summary alone on stdout, the stage log on stderr
+    import contextlib
+    import io
+
+    stdout, stderr = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+        assert demo.run(_args(tmp_path, "--json")) == 0
+    printed = json.loads(stdout.getvalue())
+    assert printed == json.loads((out / "summary.json").read_text())
+    assert "already in the dock" in stderr.getvalue()
