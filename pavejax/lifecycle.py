@@ -105,17 +105,18 @@ class LifecycleConfig:
 # --- data ------------------------------------------------------------------------------------
 
 
-def _features(texts: Sequence[str], seq_len: int, backbone: str | None = None) -> np.ndarray:
-    """Frozen mean-pooled features (n, hidden) float32 of all-MiniLM-L6-v2 or of the BERT
-    folder ``backbone`` (cached per process)."""
+def _features(texts: Sequence[str], seq_len: int, backbone: str | None = None,
+              pooling: str = "mean") -> np.ndarray:
+    """Frozen pooled features (n, hidden) float32 of all-MiniLM-L6-v2 or of the BERT folder
+    ``backbone`` (cached per process)."""
     from pavejax.models import embed_texts
 
-    return embed_texts(list(texts), max_length=seq_len, backbone=backbone)
+    return embed_texts(list(texts), max_length=seq_len, backbone=backbone, pooling=pooling)
 
 
-def _data(texts: Sequence[str], labels: Any, seq_len: int,
-          backbone: str | None = None) -> dict[str, jax.Array]:
-    return {"x": jnp.asarray(_features(texts, seq_len, backbone)),
+def _data(texts: Sequence[str], labels: Any, seq_len: int, backbone: str | None = None,
+          pooling: str = "mean") -> dict[str, jax.Array]:
+    return {"x": jnp.asarray(_features(texts, seq_len, backbone, pooling)),
             "y": jnp.asarray(np.asarray(labels), jnp.int32)}
 
 
@@ -132,7 +133,7 @@ def _accuracy(params, data, classes, user_classes) -> float:
 
 def train_developer(cfg: LifecycleConfig, task_name: str, noise_key: jax.Array | None = None,
                     *, task: Any = None, recipe: str | None = None,
-                    backbone: str | None = None):
+                    backbone: str | None = None, pooling: str = "mean"):
     """DP-Merging fine-tuning of one developer's head; returns (params, classes, train data,
     train texts, test accuracy, TrainResult, MergeTrainConfig).
 
@@ -145,7 +146,8 @@ def train_developer(cfg: LifecycleConfig, task_name: str, noise_key: jax.Array |
     splits are capped at ``cfg.dev_train`` / ``cfg.dev_test`` with ``cfg.seed``. ``recipe``: the
     recipe family (``"sentiment"`` or ``"topic"``; default: the task's own, which a task of
     the user's data needs to be given). ``backbone``: a BERT-family Hugging Face folder whose
-    frozen features the head is trained on (default all-MiniLM-L6-v2).
+    frozen features the head is trained on (default all-MiniLM-L6-v2), pooled by ``pooling``
+    (``"mean"`` or ``"cls"``).
 
     ``noise_key``: the key of the sampling and the noise; None (the default) draws a fresh one
     from the operating system. Pass one only to replay a run: it makes the noise removable.
@@ -165,8 +167,8 @@ def train_developer(cfg: LifecycleConfig, task_name: str, noise_key: jax.Array |
                              f"head on text features, so it needs a text column")
         task = limit_task(task, max_train=cfg.dev_train, max_test=cfg.dev_test, seed=cfg.seed)
     classes = tuple(task.label_names)
-    train = _data(task.train.inputs, task.train.labels, cfg.seq_len, backbone)
-    test = _data(task.test.inputs, task.test.labels, cfg.seq_len, backbone)
+    train = _data(task.train.inputs, task.train.labels, cfg.seq_len, backbone, pooling)
+    test = _data(task.test.inputs, task.test.labels, cfg.seq_len, backbone, pooling)
     n = int(train["y"].shape[0])
     # The tuned non-private head recipe (pavejax.recipes) gives the optimiser, schedule and
     # weight decay; privacy changes the rest: clipping, noise, Poisson batches of dev_batch

@@ -267,3 +267,12 @@ def test_a_bert_folder_of_your_own_trains_specs_and_keeps_its_identity(files, re
     assert rc == 1 and "missing ['config.json', 'model.safetensors', 'tokenizer.json']" in err
     assert not (tmp_path / "never").exists()
     assert [e["name"] for e in ok_json("dock", "list", tmp_path / "tiny-dock")] == ["tiny"]
+    # CLS pooling is another feature space: its identity says so, and mean-pooled use refuses it
+    ok_json("train", "--data", tmp_path / "words.csv", "--backbone", bert, "--pooling", "cls",
+            "--epsilon", "4", *SMALL, "--out", tmp_path / "m_cls")
+    assert load_release(tmp_path / "m_cls")[1].backbone_id == "bert:tiny-bert/cls"
+    rc, _, err = cli("merge", "--base-classes", "no,yes", "--models", tmp_path / "m_cls",
+                     "--op", "wa", "--backbone", bert, "--out", tmp_path / "never")
+    assert rc == 1 and "'bert:tiny-bert/cls' features, this command uses 'bert:tiny-bert'" \
+        in err
+    assert not (tmp_path / "never").exists()

@@ -553,6 +553,15 @@ def test_text_embedding_cache(monkeypatch, tmp_path):
     np.testing.assert_allclose(mine, mean_pool(run(model, ids, mask), mask), rtol=1e-5,
                                atol=1e-6)
     assert mine.shape == (3, TINY.hidden_size)
+    cls = embed_texts(words, max_length=8, backbone=str(tmp_path), pooling="cls")
+    np.testing.assert_allclose(cls, run(model, ids, mask)[:, 0], rtol=1e-5, atol=1e-6)
+    # the spec backbone pools the same way (its centring features are these)
+    from pavejax.pave.text import TextSpecBackbone
+    for how, want in (("mean", mine), ("cls", cls)):
+        tb = TextSpecBackbone(model, tok, max_length=8, layers=(0,), pooling=how)
+        np.testing.assert_allclose(tb.encode(words)["base_pooled"], want, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="pooling must be one of"):
+        TextSpecBackbone(model, tok, max_length=8, pooling="max")
     assert embed_texts([], max_length=8, backbone=str(tmp_path)).shape == (0, TINY.hidden_size)
     # A second call is served from the cache: the encoder is not touched.
     monkeypatch.setattr(embed_mod, "_encoder",

@@ -1,12 +1,13 @@
 """What the subcommands share: the text backbone, model releases, privacy wording, output.
 
 A **model release** here is a :func:`pavejax.release.save_release` directory whose tensors are a
-classification head ``{"kernel": (384, k), "bias": (k,)}`` on the frozen all-MiniLM-L6-v2
-mean-pooled features (the DP-Merging task models of :mod:`pavejax.lifecycle`). Its metadata
-``extra`` records the public facts needed to use it again: ``classes`` (output order),
-``data`` (task name, split seed, sizes, sequence length) and, for derived models, ``sources``
-or ``upstream``. Secrets (noise keys, the dock's A key, PAC secret index and generator state)
-are drawn fresh from the OS and never written anywhere.
+classification head ``{"kernel": (hidden, k), "bias": (k,)}`` on the frozen pooled features
+of all-MiniLM-L6-v2 (hidden 384, mean pooling) or of a ``--backbone`` folder (the DP-Merging
+task models of :mod:`pavejax.lifecycle`). Its metadata ``extra`` records the public facts
+needed to use it again: ``classes`` (output order), ``data`` (task name, split seed, sizes,
+sequence length) and, for derived models, ``sources`` or ``upstream``. Secrets (noise keys,
+the dock's A key, PAC secret index and generator state) are drawn fresh from the OS and
+never written anywhere.
 """
 
 from __future__ import annotations
@@ -145,16 +146,25 @@ BACKBONE_HELP = ("a BERT-family Hugging Face folder (config.json, model.safetens
                  "weights' sha256 is the releases' backbone identity, so models, specs and "
                  "docks of different backbones are refused together")
 
-# The backbone of this command: None (all-MiniLM-L6-v2) or a folder; set by select_backbone.
-_BACKBONE: list[str | None] = [None]
+POOLING_HELP = ("how the backbone's hidden states become one feature vector: mean (masked "
+                "mean, all-MiniLM-L6-v2's sentence embedding; default) or cls (the first token). "
+                "Part of the backbone's identity: releases and docks of another pooling are "
+                "refused")
+
+# The backbone of this command: (None = all-MiniLM-L6-v2 or a folder, pooling); set by
+# select_backbone.
+_BACKBONE: list[Any] = [None, "mean"]
 
 
 def add_backbone_argument(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backbone", type=Path, default=None, help=BACKBONE_HELP)
+    p.add_argument("--pooling", choices=("mean", "cls"), default="mean", help=POOLING_HELP)
 
 
 def select_backbone(ns: argparse.Namespace) -> None:
-    """Use ``ns.backbone`` (a folder, checked here) or MiniLM for this command."""
+    """Use ``ns.backbone`` (a folder, checked here) or MiniLM, and ``ns.pooling``, for this
+    command."""
+    _BACKBONE[1] = getattr(ns, "pooling", None) or "mean"
     folder = getattr(ns, "backbone", None)
     if folder is not None:
         missing = [f for f in ("config.json", "model.safetensors", "tokenizer.json")
@@ -179,12 +189,18 @@ def _encoder(folder: str | None, seq_len: int):
         load_bert(folder, max_length=seq_len)
 
 
+def pooling() -> str:
+    return _BACKBONE[1]
+
+
 def backbone_id() -> str:
-    """The releases' backbone name: all-MiniLM-L6-v2, or ``bert:<folder name>``."""
+    """The releases' backbone name: all-MiniLM-L6-v2 or ``bert:<folder name>``, with ``/cls``
+    for CLS pooling (so that features of another pooling are never mixed)."""
     from pavejax.pave.text import MINILM_ID
 
     folder = backbone_folder()
-    return MINILM_ID if folder is None else f"bert:{Path(folder).name}"
+    name = MINILM_ID if folder is None else f"bert:{Path(folder).name}"
+    return name if pooling() == "mean" else f"{name}/{pooling()}"
 
 
 def hidden_size() -> int:
@@ -196,17 +212,17 @@ def text_backbone(seq_len: int, layers: tuple[int, ...] | None):
     """The PAVE text backbone (all-MiniLM-L6-v2, or the ``--backbone`` folder) at ``seq_len``
     tokens, adapting the attention query/value kernels of ``layers``; cached per backbone so
     compiled steps are reused."""
-    return _text_backbone(seq_len, layers, backbone_folder(), backbone_id())
+    return _text_backbone(seq_len, layers, backbone_folder(), backbone_id(), pooling())
 
 
 @functools.cache
 def _text_backbone(seq_len: int, layers: tuple[int, ...] | None, folder: str | None,
-                   name: str):
+                   name: str, how: str):
     from pavejax.pave.text import TextSpecBackbone
 
     encoder, tokenizer = _encoder(folder, seq_len)
     return TextSpecBackbone(encoder, tokenizer, max_length=seq_len, layers=layers,
-                            backbone_id=name)
+                            backbone_id=name, pooling=how)
 
 
 @functools.cache
@@ -226,14 +242,14 @@ def minilm_hash() -> str:
 
 
 def features(texts: Sequence[str], labels: Any, seq_len: int) -> dict[str, Any]:
-    """``{"x": (n, hidden) float32 frozen mean-pooled backbone features, "y": (n,) int32}``."""
+    """``{"x": (n, hidden) float32 frozen pooled backbone features, "y": (n,) int32}``."""
     import jax.numpy as jnp
     import numpy as np
 
     from pavejax.models import embed_texts
 
     return {"x": jnp.asarray(embed_texts(list(texts), max_length=seq_len,
-                                         backbone=backbone_folder())),
+                                         backbone=backbone_folder(), pooling=pooling())),
             "y": jnp.asarray(np.asarray(labels), jnp.int32)}
 
 
@@ -298,6 +314,9 @@ def load_model_release(path: Path) -> ModelRelease:
     from pavejax.release import load_release
 
     tensors, meta = load_release(path, expect_backbone_hash=minilm_hash())
+    if meta.backbone_id != backbone_id():
+        raise ValueError(f"{path} is a model on {meta.backbone_id!r} features, this command "
+                         f"uses {backbone_id()!r}; pass the same --backbone and --pooling")
     if meta.kind not in MODEL_KINDS:
         raise ValueError(f"{path} holds a {meta.kind!r} release, not a model; pass a directory "
                          f"written by 'pavejax train', 'merge' or 'adapt'")

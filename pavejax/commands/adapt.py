@@ -135,6 +135,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--progress", action="store_true", help="show a progress bar")
     p.add_argument("--backbone", type=Path, default=None,
                    help="without --lm: " + sh.BACKBONE_HELP)
+    p.add_argument("--pooling", choices=("mean", "cls"), default="mean",
+                   help="without --lm: " + sh.POOLING_HELP)
     sh.add_output_arguments(p, "adapted model")
 
 
@@ -251,7 +253,8 @@ def run(ns: argparse.Namespace) -> int:
                           "mechanism": model.meta.mechanism, "guarantee": model.meta.guarantee,
                           "ledger": model.meta.ledger,
                           "note": "the input model's guarantee on its own training data"},
-             "model": f"linear head on frozen {sh.backbone_id()} mean-pooled features"}
+             "model": f"linear head on frozen {sh.backbone_id()} {sh.pooling()}-pooled "
+                      f"features"}
     hyper = {"mechanism": ns.mechanism, "steps": ns.steps, "learning_rate": ns.lr,
              "perturbation_scale": ns.zo_eps, "num_subsets": zcfg.num_subsets,
              "mi_budget": ns.mi_budget,

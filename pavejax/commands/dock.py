@@ -35,6 +35,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                       "specs adapt (default %(default)s)")
     init.add_argument("--backbone", type=Path, default=None,
                       help="with --subspace: " + sh.BACKBONE_HELP)
+    init.add_argument("--pooling", choices=("mean", "cls"), default="mean",
+                      help="with --subspace: " + sh.POOLING_HELP)
     init.add_argument("--seq-len", type=int, default=32,
                       help="with --subspace calibrated: tokens per public text (default "
                       "%(default)s)")
@@ -57,6 +59,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     sh.add_data_file_arguments(search, test=False)
     search.add_argument("--backbone", type=Path, default=None,
                         help="with --user-data: " + sh.BACKBONE_HELP)
+    search.add_argument("--pooling", choices=("mean", "cls"), default="mean",
+                        help="with --user-data: " + sh.POOLING_HELP)
     search.add_argument("--seq-len", type=sh.positive_int, default=32,
                         help="with --user-data: tokens per text (default %(default)s)")
     search.add_argument("--clip", type=sh.positive_float, default=0.05,
@@ -214,7 +218,7 @@ def _query(ns: argparse.Namespace):
         dock=ns.dock, model=None, user_task=None, user_data=ns.user_data, task=None, data=None,
         text_column=ns.text_column, label_column=ns.label_column, classes=ns.classes,
         epsilon=None, delta=1e-5, clip=ns.clip, rank=None, layers=None, seq_len=ns.seq_len,
-        seed=0, shots=None, examples=None, backbone=ns.backbone)
+        seed=0, shots=None, examples=None, backbone=ns.backbone, pooling=ns.pooling)
     return spec_cmd.build_spec(flags)[0]
 
 

@@ -117,7 +117,8 @@ def run(ns: argparse.Namespace) -> int:
                           m.meta.extra.get("task")} for m, p in zip(models, ns.models,
                                                                     strict=True)],
              "data": {"seq_len": seq_len},
-             "model": f"linear head on frozen {sh.backbone_id()} mean-pooled features"}
+             "model": f"linear head on frozen {sh.backbone_id()} {sh.pooling()}-pooled "
+                      f"features"}
     acc = eval_name = None
     if ns.eval_task is not None and ns.eval_data is not None:
         raise ValueError("give --eval-task or --eval-data, not both")

@@ -1,6 +1,7 @@
 """``pavejax train``: DP-Merging fine-tuning of a task model, written as a model release.
 
-The model is a classification head on the frozen all-MiniLM-L6-v2 mean-pooled features,
+The model is a classification head on frozen pooled features (all-MiniLM-L6-v2, mean, unless
+``--backbone``/``--pooling``),
 started from the public label-keyed head of its label space (so models of one label space
 merge), trained with DP-SAM (``--mode``) plus the anchor to the public start
 (:func:`pavejax.lifecycle.train_developer`, :mod:`pavejax.merging.train`).
@@ -95,7 +96,8 @@ def run(ns: argparse.Namespace) -> int:
     # train_developer draws its noise and sampling key fresh from the OS (never recorded); the
     # split seed stays public and reproducible.
     params, classes, train, _, acc, res, mcfg = train_developer(
-        cfg, name, task=task, recipe=recipe, backbone=sh.backbone_folder())
+        cfg, name, task=task, recipe=recipe, backbone=sh.backbone_folder(),
+        pooling=sh.pooling())
     n = int(train["y"].shape[0])
     mechanism = f"dp-merging (DP-SAM mode {ns.mode!r} + anchor {mcfg.anchor})"
     protects = (f"each training example (text and label) of the {n} used from task "
@@ -126,7 +128,8 @@ def run(ns: argparse.Namespace) -> int:
     if task is not None:
         data |= {"file": sh.data_file_record(task, ns), "recipe": recipe}
     extra = {"task": name, "classes": list(classes), "test_accuracy": acc, "data": data,
-             "model": f"linear head on frozen {sh.backbone_id()} mean-pooled features"}
+             "model": f"linear head on frozen {sh.backbone_id()} {sh.pooling()}-pooled "
+                      f"features"}
     digest = sh.save_model_release(ns.out, params, kind="model", mechanism=mechanism,
                                    ledger=res.ledger, guarantee=guarantee, risk=risk,
                                    hyperparameters=hyper, extra=extra, overwrite=ns.overwrite)

@@ -35,9 +35,10 @@ from pavejax.pave.spec import (
 )
 from pavejax.pave.subspace import Subspace, calibrated, random_targets
 
-__all__ = ["MINILM_ID", "TextSpecBackbone", "attention_predicate"]
+__all__ = ["MINILM_ID", "POOLINGS", "TextSpecBackbone", "attention_predicate"]
 
 MINILM_ID = "all-MiniLM-L6-v2"
+POOLINGS = ("mean", "cls")
 
 
 def attention_predicate(layers: Sequence[int] | None = None,
@@ -74,12 +75,14 @@ class TextSpecBackbone:
       layers: encoder layers whose attention ``query``/``value`` kernels are adapted (None: all).
       head_seed: public seed of ``g`` (must be the same for every party of one dock).
       centered: subtract the frozen backbone's pooled features (see the module docstring).
+      pooling: ``"mean"`` (masked mean of the last hidden states; all-MiniLM-L6-v2's sentence
+        embedding) or ``"cls"`` (the first token's hidden state).
     """
 
     def __init__(self, encoder: BertEncoder | None = None, tokenizer: Any = None, *,
                  backbone_id: str = MINILM_ID, max_length: int = 48,
                  layers: Sequence[int] | None = None, head_seed: int = 0,
-                 centered: bool = True):
+                 centered: bool = True, pooling: str = "mean"):
         if encoder is None:
             from pavejax.models import load_minilm
 
@@ -95,17 +98,21 @@ class TextSpecBackbone:
         self.predicate = attention_predicate(layers)
 
         self.centered = bool(centered)
+        if pooling not in POOLINGS:
+            raise ValueError(f"pooling must be one of {POOLINGS}, got {pooling!r}")
+        self.pooling = pooling
+        pool = mean_pool if pooling == "mean" else (lambda hidden, mask: hidden[:, 0])
 
         def logits_fn(p, batch, head):
             ids, mask = batch["input_ids"], batch["attention_mask"]
-            pooled = mean_pool(nnx.merge(graphdef, p)(ids, mask), mask)
+            pooled = pool(nnx.merge(graphdef, p)(ids, mask), mask)
             if "base_pooled" in batch:
                 pooled = pooled - batch["base_pooled"]
             return pooled @ head
 
         self.logits_fn = logits_fn
-        self._pooled = jax.jit(lambda p, ids, mask: mean_pool(nnx.merge(graphdef, p)(ids, mask),
-                                                              mask))
+        self._pooled = jax.jit(lambda p, ids, mask: pool(nnx.merge(graphdef, p)(ids, mask),
+                                                         mask))
 
     def encode(self, texts: Sequence[str], *, batch_size: int = 64) -> dict[str, np.ndarray]:
         """Token ids and attention mask (n, max_length) int32, and (centred) the frozen
