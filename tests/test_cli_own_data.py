@@ -276,3 +276,34 @@ def test_a_bert_folder_of_your_own_trains_specs_and_keeps_its_identity(files, re
     assert rc == 1 and "'bert:tiny-bert/cls' features, this command uses 'bert:tiny-bert'" \
         in err
     assert not (tmp_path / "never").exists()
+
+
+def test_one_entry_point_tells_encoders_from_language_models(tmp_path):
+    """pretrained_kind reads config.json: a BERT folder is a --backbone, a Llama folder an
+    'adapt --lm' model; each command refuses the other kind by name, and other families too."""
+    from pavejax.models import pretrained_kind
+    from tests.test_llama_loading import HF_CONFIG
+    from tests.test_models import _write_tiny_checkpoint, tiny_model
+
+    bert, llama, gpt = tmp_path / "enc", tmp_path / "lm", tmp_path / "gpt"
+    for d in (bert, llama, gpt):
+        d.mkdir()
+    _write_tiny_checkpoint(bert, tiny_model())
+    for d, cfg in ((llama, HF_CONFIG), (gpt, {"model_type": "gpt2"})):
+        (d / "config.json").write_text(json.dumps(cfg))
+        for f in ("model.safetensors", "tokenizer.json"):
+            (d / f).write_text("{}")
+    assert pretrained_kind(bert) == "bert" and pretrained_kind(llama) == "llama"
+    no_type = {k: v for k, v in HF_CONFIG.items() if k != "model_type"}
+    (gpt / "config.json").write_text(json.dumps(no_type))
+    assert pretrained_kind(gpt) == "llama"  # RMSNorm's epsilon marks the Llama family
+    (gpt / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    with pytest.raises(ValueError, match="model_type 'gpt2' is not supported"):
+        pretrained_kind(gpt)
+    rc, _, err = cli("train", "--task", "movie", "--backbone", llama, "--epsilon", "4", *SMALL,
+                     "--out", tmp_path / "never")
+    assert rc == 1 and "is a causal language model" in err and "adapt --lm" in err
+    rc, _, err = cli("adapt", "--lm", bert, "--task", "movie", "--steps", "1", "--out",
+                     tmp_path / "never")
+    assert rc == 1 and "is a BERT-family encoder" in err and "--backbone" in err
+    assert not (tmp_path / "never").exists()

@@ -173,6 +173,12 @@ def select_backbone(ns: argparse.Namespace) -> None:
             raise FileNotFoundError(f"--backbone {folder}: missing {missing}; give a Hugging "
                                     f"Face BERT folder with config.json, model.safetensors and "
                                     f"tokenizer.json")
+        from pavejax.models import pretrained_kind
+
+        if pretrained_kind(folder) != "bert":
+            raise ValueError(f"--backbone {Path(folder).name} is a causal language model "
+                             f"(Llama family), not a text encoder; adapt it with 'pavejax "
+                             f"adapt --lm {folder}'")
         folder = str(Path(folder).resolve())
     _BACKBONE[0] = folder
 

@@ -70,6 +70,12 @@ def load_backbone(source: str | Path) -> Backbone:
         model, tokenizer = load_gguf(path)
         name = path.name
     elif path.is_dir() and (path / "config.json").is_file():
+        from pavejax.models import pretrained_kind
+
+        if pretrained_kind(path) != "llama":
+            raise ValueError(f"{path.name} is a BERT-family encoder, not a causal language "
+                             f"model; use it as the classifier backbone with --backbone "
+                             f"{path} (train, spec, merge, adapt without --lm)")
         if not (path / "tokenizer.json").is_file():
             raise FileNotFoundError(f"{path} has no tokenizer.json: put the model's Hugging "
                                     f"Face tokenizer.json (and tokenizer_config.json) next to "

@@ -52,6 +52,7 @@ from pavejax.models.loading import (
     load_minilm,
     load_state_from_torch_names,
     parameter_count,
+    pretrained_kind,
 )
 from pavejax.models.small import (
     MLP,
@@ -115,6 +116,7 @@ __all__ = [
     "load_state_from_torch_names",
     "mean_pool",
     "parameter_count",
+    "pretrained_kind",
     "positions_from_mask",
     "pretrain_backbone",
     "public_random_head",

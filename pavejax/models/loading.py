@@ -28,7 +28,11 @@ __all__ = [
     "load_minilm",
     "load_state_from_torch_names",
     "parameter_count",
+    "pretrained_kind",
 ]
+
+# config.json model_type -> kind
+PRETRAINED_KINDS = {"bert": "bert", "llama": "llama", "mistral": "llama"}
 
 M = TypeVar("M", bound=nnx.Module)
 StatePath = tuple[str | int, ...]
@@ -209,6 +213,30 @@ def load_bert(directory: str | os.PathLike[str], *, dtype: Any = jnp.float32,
     model = load_state_from_torch_names(abstract, tensors, bert_torch_names(config),
                                         ignore=BERT_IGNORED_TENSORS)
     return model, tokenizer
+
+
+def pretrained_kind(directory: str | os.PathLike[str]) -> str:
+    """``"bert"`` (an encoder: :func:`load_bert`) or ``"llama"`` (a causal LM:
+    :func:`pavejax.models.load_hf_llama`) from a Hugging Face folder's ``config.json``
+    ``model_type``: the one entry point that tells the two families apart.
+
+    Raises ``FileNotFoundError`` without a config.json and ``ValueError`` for another family.
+    """
+    import json
+
+    config = _require_file(Path(directory), "config.json")
+    try:
+        raw = json.loads(config.read_text())
+        # without a model_type: RMSNorm's epsilon marks the Llama family
+        model_type = raw.get("model_type", "llama" if "rms_norm_eps" in raw else "bert")
+    except (json.JSONDecodeError, AttributeError):
+        raise ValueError(f"{config} is not a JSON object; expected a Hugging Face "
+                         f"config.json") from None
+    if model_type not in PRETRAINED_KINDS:
+        raise ValueError(f"{Path(directory).name}: model_type {model_type!r} is not supported; "
+                         f"pavejax loads BERT-family encoders (model_type 'bert') and Llama-"
+                         f"family causal LMs (model_type 'llama' or 'mistral')")
+    return PRETRAINED_KINDS[model_type]
 
 
 def load_minilm(path: str | os.PathLike[str] | None = None, *, dtype: Any = jnp.float32,
