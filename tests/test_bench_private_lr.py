@@ -17,7 +17,7 @@ def bench():
         yield module
 
 
-def _fake_features(texts, seq_len):
+def _fake_features(texts, seq_len, backbone=None, pooling="mean"):
     """A deterministic 384-d feature per text (from its hash), with no encoder."""
     out = np.zeros((len(texts), 384), np.float32)
     for i, t in enumerate(texts):
