@@ -133,6 +133,29 @@ tweets; six developers; n in 128, 256, 512; 32 tokens). Full: the full market, 6
 sized for one GPU (on 2 CPU cores, at the ~80-120 ms per example measured at 32 tokens under
 load, one to one and a half hours for that part; not run here).
 
+Full run (2 CPU cores shared with other work, 79 minutes: main part 7.1, coordinates 2.3,
+data-scale part 68.8, of which two passes of per-example gradients over 38,192 developer
+examples, 34 and 33 minutes). Main part: ``top1_eps4`` 0.763 +- 0.006 (95% interval of the mean
+0.752-0.774) against ``top1_nonprivate`` 0.877 (oracle 0.900, random 0.270); eps 0.5 / 1 / 2 /
+8: 0.473 / 0.602 / 0.701 / 0.793; debiased 0.756 (paired -0.007 +- 0.004), posterior 0.712;
+rank 2 / 4 / 8 / 16 / 32 at eps 4: 0.750 / 0.761 / 0.758 / 0.765 / 0.776 against non-private
+0.845 / 0.851 / 0.877 / 0.881 / 0.884; ``both`` 0.296; audits at most 0.73 of the claim.
+Coordinates (random subspace, the squad asset being absent): non-private 0.812 / 0.843 / 0.831
+/ 0.863 and eps 4 0.501 / 0.628 / 0.701 / 0.755 at k = 4 / 8 / 16 / 32; intrinsic gamma median
+336 / 1,684 / 3,542 / 14,635, epsilon infinite for every developer. Data-scale part (cosine /
+debiased, SE <= 0.009): n = 256: non-private 0.859, eps 1 / 2 / 4 / 8 0.671 / 0.668, 0.757 /
+0.754, 0.791 / 0.803, 0.800 / 0.832; n = 512: 0.855, 0.758 / 0.758, 0.789 / 0.804, 0.799 /
+0.839, 0.809 / 0.852; n = 1024: 0.845, 0.790 / 0.809, 0.797 / 0.835, 0.802 / 0.848, 0.812 /
+0.849; n = 2048: 0.844, 0.796 / 0.842, 0.799 / 0.849, 0.811 / 0.848, 0.825 / 0.847; n = 4096:
+0.844, 0.794 / 0.843, 0.800 / 0.849, 0.804 / 0.846, 0.833 / 0.846 (the BBC developers capped
+from n = 1024, sixteen of twenty from n = 2048, the smallest at 540). ``n_star_eps4`` = 512,
+``top1_eps4_n2048`` 0.811 (best score 0.848) against ``top1_nonprivate_n2048`` 0.844. The
+debiased score is better than the cosine by more than two paired SE in 18 of the 25 cells of
+both parts (1.2 to 4.9 points) and never worse by more than 1.7 paired SE (0.7 points); the
+posterior score, whose pooled signal norm assumes comparable candidates, loses up to 21 points
+where the developers' noise levels differ (capped developers). Intrinsic gamma at k = 8: 844 /
+587 / 462 / 366 / 366 at n = 256 ... 4096.
+
 Quick run (``--quick``, 2 shared CPU cores under load, 10.3 minutes: main part 5.4, of which
 market 0.7, gradient sums 1.1, audits 0.5; data-scale part 4.7, of which market 0.8, prefix
 sums of 3072 developer examples 3.7). Main part, 60 draws (mean +- SE): ``top1_eps4`` 0.610
