@@ -24,7 +24,11 @@ Which score ranks the true match first most often depends on the regime. The pos
 the best estimate of each candidate's true cosine (squared loss); it discounts noisy candidates
 twice (their shrunken cosine, then ``A_d``), which helps when the signal is weak (a noisy
 candidate's high cosine is then mostly luck) and can hurt when a strong match was released with
-much more noise than the others.
+much more noise than the others. Measured on real markets (``benchmarks/pave_privacy.py``, full
+mode): the debiased score beats the cosine by 1.2 to 4.9 top-1 points in 18 of 25 (epsilon, n)
+cells and is never worse by more than 1.7 paired standard errors; the posterior score loses up
+to 21 points where the developers' noise levels differ widely (its pooled signal norm assumes
+comparable candidates). Prefer ``"debiased"`` when noise levels differ.
 """
 
 from __future__ import annotations
