@@ -2,8 +2,9 @@
 user would: shuffled columns, an extra column, CSV / Parquet / JSON Lines, integer labels with
 named classes): `train --data` -> `spec --model --data` -> `dock submit` -> `spec --user-data`
 -> `dock search` finds the right learnware first -> `merge --eval-data` -> `adapt --data`, each
-stage of that chain run as `python -m pavejax` in a subprocess; releases never name or hash the
-data file; bad files fail with the file and row named and leave nothing behind (in-process)."""
+stage of that chain run as `python -m pavejax` in a subprocess; releases carry the data file's
+stem as the task name but never its folder, full name or hash; bad files fail with the file and
+row named and leave nothing behind (in-process)."""
 
 import json
 import math
@@ -106,7 +107,7 @@ def test_train_on_files_writes_a_dp_release_without_the_file(files, released):
     _, news = load_release(d / "m_news")
     assert news.extra["classes"] == files["bbc_classes"].split(",")
     assert news.extra["data"]["recipe"] == "topic"
-    # the release names neither the file, its folder nor its hash
+    # the release names neither the file (only its stem, the task name), its folder nor its hash
     from pavejax.data import load_dataset_file
     digest = load_dataset_file(d / "movie.csv", text_column="review",
                                label_column="sentiment").metadata["files_sha256"]["movie.csv"]

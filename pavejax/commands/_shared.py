@@ -130,9 +130,10 @@ def load_data_file(ns: argparse.Namespace, path: Path, *, split: bool = True,
 
 
 def data_file_record(task: Any, ns: argparse.Namespace) -> dict[str, Any]:
-    """What a release states about a user's data file: the columns and the split rule. Not the
-    file's name, path or hash: a hash of the private rows would tell neighbouring datasets apart
-    exactly, whatever the noise, so it never enters a release."""
+    """What a release states about a user's data file: the columns and the split rule (its stem
+    is the task name, recorded by the caller). Not its folder, full name or hash: a hash of the
+    private rows would tell neighbouring datasets apart exactly, whatever the noise, so it never
+    enters a release."""
     meta = task.metadata
     return {"source": "file", "format": meta["format"], "text_column": ns.text_column,
             "label_column": ns.label_column, "label_source": meta["label_source"],

@@ -94,7 +94,7 @@ def _lines(path: Path, digest: str, r: dict[str, Any]) -> list[str]:
         lines.append(f"  data file of the user's own ({f.get('format')}): text column "
                      f"{f.get('text_column')!r}, label column {f.get('label_column')!r}, "
                      f"classes {f.get('label_source')}, split {f.get('split')}"
-                     f"{', test file given' if f.get('test_file') else ''}; its name and hash "
+                     f"{', test file given' if f.get('test_file') else ''}; its folder and hash "
                      f"are not in the release")
     lines.append(f"guarantee: {g.get('kind')}")
     if g.get("kind") == "dp":
