@@ -24,14 +24,13 @@ _EMBEDDINGS: dict[tuple[str | None, int, str], np.ndarray] = {}
 @functools.cache
 def _encoder(folder: str | None, max_length: int, pooling: str = "mean"
              ) -> tuple[nnx.GraphDef, nnx.State, Any, Callable]:
+    if pooling not in ("mean", "cls"):
+        raise ValueError(f"pooling must be 'mean' or 'cls', got {pooling!r}")
     if folder is None:
         encoder, tokenizer = load_minilm(max_length=max_length)
     else:
         encoder, tokenizer = load_bert(folder, max_length=max_length)
     graphdef, state = nnx.split(encoder)
-
-    if pooling not in ("mean", "cls"):
-        raise ValueError(f"pooling must be 'mean' or 'cls', got {pooling!r}")
 
     @jax.jit
     def pooled(state: nnx.State, ids: jax.Array, mask: jax.Array) -> jax.Array:
@@ -44,7 +43,7 @@ def _encoder(folder: str | None, max_length: int, pooling: str = "mean"
 def embed_texts(texts: Sequence[str], *, max_length: int = 48, batch_size: int = 64,
                 progress: bool = False, backbone: str | None = None,
                 pooling: str = "mean") -> np.ndarray:
-    """Frozen mean-pooled embeddings (n, hidden) float32 (not L2-normalised) of
+    """Frozen pooled embeddings (n, hidden) float32 (not L2-normalised) of
     all-MiniLM-L6-v2 (``backbone=None``, hidden 384) or of the BERT-family Hugging Face folder
     ``backbone`` (:func:`~pavejax.models.load_bert`); ``pooling="cls"`` takes the first
     token's hidden state instead of the masked mean.
