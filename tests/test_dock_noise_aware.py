@@ -103,3 +103,14 @@ def test_unsupported_specs_are_refused_by_name_and_removing_them_restores_search
         dock.search(query, k=3, score="l2")
     empty = Dock.create(dock.path.parent / "empty")
     assert empty.search(query, k=3, score="debiased").ids == ()
+
+
+def test_scores_a_last_bit_apart_are_ties():
+    """Equal specs can score a last bit apart (BLAS reduces rows of one product in different
+    orders, which made the twins above rank 3, 1, 2 on one machine): such scores are one tie,
+    ordered by id; scores further apart keep their order."""
+    from pavejax.pave.dock import _rank_with_ties
+
+    s = np.array([0.5, 0.7, 0.7 + 1e-16, 0.7 - 2e-16, 0.1, 0.7 - 1e-9])
+    ids = np.array([9, 5, 3, 4, 1, 2])
+    assert ids[_rank_with_ties(s, ids)].tolist() == [3, 4, 5, 2, 9, 1]

@@ -487,7 +487,7 @@ class Dock:
         ids = np.asarray(self._ids)
         out = []
         for r, c in zip(ranking, cosines, strict=True):
-            order = np.lexsort((ids, -r))[:k]  # score descending, then lower id
+            order = _rank_with_ties(r, ids)[:k]
             cos = c[order].astype(np.float32)
             out.append(SearchResult(tuple(int(ids[j]) for j in order),
                                     tuple(self._names[j] for j in order), cos,
@@ -518,6 +518,21 @@ class Dock:
         return reuse_lib.reuse_models(strategy, params, classes, apply_fn, user_classes,
                                       ids=found.ids, names=found.names, few_shot=few_shot,
                                       base=base, **options)
+
+
+# Scores this close (relative to the largest) are ties: equal vectors can score a last bit apart
+# when BLAS reduces different rows of one matrix product in different orders.
+_TIE_RTOL = 1e-12
+
+
+def _rank_with_ties(scores: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    """Indices by score descending; runs of scores within ``_TIE_RTOL`` (of the largest
+    magnitude) of their neighbour are one tie, ordered by lower id."""
+    order = np.argsort(-scores, kind="stable")
+    s = scores[order]
+    tol = _TIE_RTOL * max(float(np.max(np.abs(s))), np.finfo(np.float64).tiny)
+    group = np.concatenate([[0], np.cumsum(-np.diff(s) > tol)])
+    return order[np.lexsort((ids[order], group))]
 
 
 def _noop() -> None:
