@@ -4,6 +4,13 @@ Every piece is pure and jittable (``jit``, ``vmap``, ``lax.scan``, ``shard_map``
 checks (:func:`check_step`) and :class:`DPGradient` are thin wrappers around them.
 """
 
+from pavejax.privacy.autotune import (
+    MicrobatchDoesNotFitError as MicrobatchDoesNotFitError,
+    auto_microbatch_size as auto_microbatch_size,
+    clear_autotune_cache as clear_autotune_cache,
+    compiled_temp_bytes as compiled_temp_bytes,
+    default_memory_budget as default_memory_budget,
+)
 from pavejax.privacy.checks import NonFiniteError as NonFiniteError, check_step as check_step
 from pavejax.privacy.clipping import (
     ClipConfig as ClipConfig,

@@ -181,13 +181,24 @@ class DPGradient:
     """
 
     def __init__(self, loss_fn: LossFn, config: DPConfig, mesh: jax.sharding.Mesh | None = None,
-                 *, microbatch_size: int | None = None):
+                 *, microbatch_size: int | str | None = None,
+                 memory_budget_bytes: int | None = None, budget_fraction: float = 0.8):
         self.loss_fn = loss_fn
         self.config = config
         self.mesh = mesh
-        self.microbatch_size = check_microbatch_size(microbatch_size)
-        self.pure = functools.partial(private_gradient, loss_fn, config=config, mesh=mesh,
-                                      microbatch_size=microbatch_size)
+        # microbatch_size="auto": the largest size whose compiled step fits the memory budget,
+        # chosen on the first call (pavejax.privacy.autotune; memory_budget_bytes is required
+        # on CPU). self.pure is None until then.
+        self.memory_budget_bytes, self.budget_fraction = memory_budget_bytes, budget_fraction
+        self.pure = self._core = None
+        self.microbatch_size = microbatch_size
+        if microbatch_size != "auto":
+            self._bind(check_microbatch_size(microbatch_size))
+
+    def _bind(self, microbatch_size: int | None) -> None:
+        self.microbatch_size = microbatch_size
+        self.pure = functools.partial(private_gradient, self.loss_fn, config=self.config,
+                                      mesh=self.mesh, microbatch_size=microbatch_size)
         self._core = jax.jit(self.pure)
 
     def check_data(self, data: PyTree) -> None:
@@ -206,6 +217,10 @@ class DPGradient:
         in that case).
         """
         self.check_data(data)
+        if self._core is None:
+            from pavejax.privacy.autotune import dp_gradient_microbatch_size
+
+            self._bind(dp_gradient_microbatch_size(self, trainable, frozen, data, key))
         grad, info = self._core(trainable, frozen, data, key)
         check_step(info)
         return grad, info, self.config.step_event()
