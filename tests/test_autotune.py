@@ -164,3 +164,25 @@ def test_mesh_uses_the_per_device_batch():
     mb = auto_microbatch_size(loss_fn, trainable, None, batch, mask, cfg,
                               memory_budget_bytes=1 << 40, mesh=mesh)
     assert mb == B // 2
+
+
+def test_default_budget_from_memory_stats(monkeypatch):
+    trainable, batch, mask, cfg = _setup()
+    need = {mb: _need(mb, trainable, batch, mask, cfg) for mb in (4, 8)}
+    args_bytes = autotune._nbytes((trainable, None, batch, mask, KEY))
+    limit = int(((need[4] + need[8]) // 2 + args_bytes) / 0.5)
+
+    class FakeDevice:
+        platform = "fake"
+
+        def memory_stats(self):
+            return {"bytes_limit": limit}
+
+    monkeypatch.setattr(jax, "local_devices", lambda *a, **k: [FakeDevice()])
+    budget = autotune.default_memory_budget(trainable, None, batch, mask, KEY,
+                                            budget_fraction=0.5)
+    assert abs(budget - (need[4] + need[8]) // 2) <= 1
+    assert auto_microbatch_size(loss_fn, trainable, None, batch, mask, cfg,
+                                budget_fraction=0.5) == 4
+    with pytest.raises(ValueError, match="budget_fraction"):
+        autotune.default_memory_budget(trainable, budget_fraction=1.5)
