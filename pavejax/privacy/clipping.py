@@ -35,6 +35,8 @@ PyTree = Any
 LossFn = Callable[[PyTree, PyTree, PyTree], jax.Array]
 
 _CLIPPINGS = ("joint", "per_layer")
+#: How per-example gradient norms and the clipped sum are computed (never what they are).
+METHODS = ("vmap", "ghost", "ghost_two_pass")
 
 
 def _finite_float(name: str, value: float, *, positive: bool = True) -> float:
@@ -58,16 +60,28 @@ class ClipConfig:
       clipping: ``"joint"`` (default; sensitivity C) or ``"per_layer"`` (sensitivity C*sqrt(L)).
       sparse_rows: mapping from a trainable leaf path (``"a/b/embedding"``) to the example field
         holding the int row ids that index it (``"input_ids"``); see the module docstring.
+      method: ``"vmap"`` (default: per-example gradients materialised by ``jax.vmap``, in
+        microbatches), ``"ghost"`` (ghost clipping with book-keeping: norms from activations and
+        output gradients, one backward pass; :mod:`pavejax.privacy.ghost`) or
+        ``"ghost_two_pass"`` (ghost norms, then a second backward of the clip-weighted loss;
+        less memory, more time). All three compute the same clipped sum up to float summation
+        order; the guarantee does not depend on the choice.
     """
 
     l2_clip: float
     clipping: str = "joint"
     sparse_rows: Mapping[str, str] | tuple = ()
+    method: str = "vmap"
 
     def __post_init__(self):
         object.__setattr__(self, "l2_clip", _finite_float("l2_clip", self.l2_clip))
         if self.clipping not in _CLIPPINGS:
             raise ValueError(f"clipping must be one of {_CLIPPINGS}, got {self.clipping!r}.")
+        if self.method not in METHODS:
+            raise ValueError(f"method must be one of {METHODS}, got {self.method!r}.")
+        if self.method != "vmap" and self.clipping != "joint":
+            raise ValueError(f"method={self.method!r} supports joint clipping only; use "
+                             "clipping='joint' or method='vmap' for per-layer clipping.")
         # Stored as sorted pairs so that the config is hashable (a static jit argument).
         object.__setattr__(self, "sparse_rows", tuple(sorted(dict(self.sparse_rows).items())))
 
@@ -190,7 +204,13 @@ def _chunk_clipped_sum(loss_fn, trainable, frozen, batch, mask, cfg: ClipConfig)
     The sum is a contraction of per-example coefficients with the per-example gradients (one
     read of them), not a scale-then-sum (several passes); rows that are padding or not finite
     get coefficient 0, and a NaN anywhere switches to a path that zeroes such rows first.
+    ``cfg.method`` other than ``"vmap"`` goes to :mod:`pavejax.privacy.ghost` (same contract).
     """
+    if cfg.method != "vmap":
+        from pavejax.privacy.ghost import ghost_chunk_clipped_sum
+
+        return ghost_chunk_clipped_sum(loss_fn, trainable, frozen, batch, mask, cfg.l2_clip,
+                                       two_pass=cfg.method == "ghost_two_pass")
 
     def one(example):
         small, ex, rows = _with_sparse(trainable, example, cfg.sparse_rows)

@@ -56,6 +56,10 @@ class DPConfig:
         state their sizes, so they take ``"replace_one"`` and refuse add/remove ledgers.
       clipping: ``"joint"`` (default) or ``"per_layer"``.
       sparse_rows: trainable-leaf path -> example id field, for embedding tables.
+      clip_method: how per-example norms and the clipped sum are computed: ``"vmap"``
+        (materialised per-example gradients), ``"ghost"`` (ghost clipping with book-keeping)
+        or ``"ghost_two_pass"``; see :class:`~pavejax.privacy.ClipConfig`. It changes time and
+        memory, never the released quantity (up to float summation order) or the guarantee.
     """
 
     l2_clip: float
@@ -64,6 +68,7 @@ class DPConfig:
     relation: str = "add_remove"
     clipping: str = "joint"
     sparse_rows: Mapping[str, str] | tuple = ()
+    clip_method: str = "vmap"
 
     def __post_init__(self):
         z = self.noise_multiplier
@@ -75,7 +80,7 @@ class DPConfig:
         if not isinstance(self.sampling, SamplingConfig):
             raise TypeError("sampling must be a pavejax.privacy.SamplingConfig.")
         object.__setattr__(self, "clip", ClipConfig(self.l2_clip, self.clipping,
-                                                    self.sparse_rows))
+                                                    self.sparse_rows, self.clip_method))
 
     def step_event(self):
         """The ``dp_accounting.DpEvent`` of one step (multiplier relative to add/remove)."""
