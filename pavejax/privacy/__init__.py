@@ -22,6 +22,13 @@ from pavejax.privacy.clipping import (
     leaf_paths as leaf_paths,
     per_example_norms as per_example_norms,
 )
+from pavejax.privacy.fsdp import (
+    fsdp_specs as fsdp_specs,
+    model_mesh as model_mesh,
+    shard_params as shard_params,
+    sharded_noisy_gradient as sharded_noisy_gradient,
+    sharded_private_gradient as sharded_private_gradient,
+)
 from pavejax.privacy.gradient import (
     DPConfig as DPConfig,
     DPGradient as DPGradient,
