@@ -11,6 +11,15 @@ same steps with the same keys, are from the one-device run (float summation orde
 Summary: ``max_overhead_8dev`` (step time on 8 devices / 1 device, worst trainer) and the
 per-trainer ratios.
 
+2-D meshes (rows ``dp-sgd-fsdp``): DP-SGD of *all* the classifier's parameters on
+``(data, model)`` meshes of 2x4 and 4x2 devices (:func:`pavejax.privacy.model_mesh`), the batch
+sharded over ``data`` and every parameter of at least 1024 elements sharded over ``model``
+(:func:`pavejax.privacy.fsdp_specs`; :func:`pavejax.privacy.sharded_private_gradient`), against
+the one-device :func:`pavejax.privacy.private_gradient` with the same keys. Summary keys
+``mesh_2x4_ratio_vs_1dev`` / ``mesh_4x2_ratio_vs_1dev`` (step time over one device) and
+``mesh_2x4_max_abs_diff`` / ``mesh_4x2_max_abs_diff`` (parameters after the same steps: an
+equality check, float summation order only).
+
 On CPU the devices are virtual (``--xla_force_host_platform_device_count=8``, set here before
 JAX starts) and share the same cores, so this measures correctness and the overhead of
 sharding, not a speed-up. ``--quick`` (a 1-layer, hidden-32 BERT on random tokens, batch 16)
@@ -54,6 +63,8 @@ from pavejax.optim import promotion_safe  # noqa: E402
 
 TRAINERS = ("dp-s-pave", "dp-sam", "paczero")
 CLIP, SIGMA, RANK = 0.1, 1.0, 8
+MESHES_2D = ((2, 4), (4, 2))  # (data, model)
+FSDP_LR = 0.05
 
 
 def _model(quick: bool, batch: int, seq: int, n: int):
@@ -151,6 +162,46 @@ def _zo_runner(loss, B0, frozen, data, pool_size, mesh):
     return step, lambda: st["s"].trainable
 
 
+def _full_loss(graphdef):
+    """Per-example loss of the whole classifier (every parameter trainable, nothing frozen)."""
+    def example_loss(params, frozen, ex):
+        del frozen
+        logits = nnx.merge(graphdef, params)(ex["input_ids"][None], ex["attention_mask"][None])
+        return -jax.nn.log_softmax(logits[0].astype(jnp.float32))[ex["label"]]
+
+    return example_loss
+
+
+def _fsdp_runner(loss, params0, data, batch, mesh):
+    """Private SGD on all parameters: one device (``mesh=None``) or parameter-sharded."""
+    n = data["label"].shape[0]
+    cfg = privacy.DPConfig(CLIP, SIGMA, privacy.SamplingConfig("poisson", n, batch),
+                           relation="replace_one")
+    if mesh is None:
+        grad_fn = lambda p, d, k: privacy.private_gradient(loss, p, None, d, k, cfg)  # noqa: E731
+    else:
+        specs = privacy.fsdp_specs(params0, mesh)
+        params0 = privacy.shard_params(params0, mesh, specs)
+        data = privacy.replicate(data, mesh)  # sampled inside the step, rows sharded there
+        grad_fn = lambda p, d, k: privacy.sharded_private_gradient(  # noqa: E731
+            loss, p, None, d, k, cfg, mesh, param_specs=specs)
+
+    @jax.jit
+    def update(p, d, key):
+        grad, info = grad_fn(p, d, key)
+        return jax.tree.map(lambda w, g: w - FSDP_LR * g, p, grad), info
+
+    st = {"p": params0, "t": 0}
+
+    def step():
+        st["p"], info = update(st["p"], data, jax.random.fold_in(jax.random.key(4), st["t"]))
+        privacy.check_step(info)
+        st["t"] += 1
+        jax.block_until_ready(st["p"])
+
+    return step, lambda: st["p"]
+
+
 def _max_diff(a, b) -> float:
     return max(float(jnp.max(jnp.abs(jnp.asarray(x) - jnp.asarray(y))))
                for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True))
@@ -176,6 +227,12 @@ def main(argv=None):
                                  ("dp-sam", _sam_runner, batch),
                                  ("paczero", _zo_runner, batch)):
             runners[(name, c)], finals[(name, c)] = make(loss, b0, fr, data, size, mesh)
+    full_loss = _full_loss(graphdef)
+    layouts = [(1, 1)] + [m for m in MESHES_2D if m[0] * m[1] <= len(jax.devices())]
+    for d, m in layouts:
+        mesh = None if d * m == 1 else privacy.model_mesh(d, m)
+        runners[("dp-sgd-fsdp", (d, m))], finals[("dp-sgd-fsdp", (d, m))] = _fsdp_runner(
+            full_loss, params, data, batch, mesh)
     # Compile (first step of every configuration) in parallel threads: XLA releases the GIL.
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
         list(pool.map(lambda run: run(), runners.values()))
@@ -183,20 +240,34 @@ def main(argv=None):
     rows = []
     for name in TRAINERS:
         for c in counts:
-            rows.append({"trainer": name, "devices": c, "step_s": times[(name, c)],
+            rows.append({"trainer": name, "devices": c, "mesh": f"data {c}",
+                         "step_s": times[(name, c)],
                          "ratio_vs_1dev": times[(name, c)] / times[(name, 1)],
                          "max_abs_diff_vs_1dev": _max_diff(finals[(name, c)](),
                                                            finals[(name, 1)]())})
+    fsdp = {}
+    for d, m in layouts:
+        key, base = ("dp-sgd-fsdp", (d, m)), ("dp-sgd-fsdp", (1, 1))
+        rows.append({"trainer": "dp-sgd-fsdp", "devices": d * m, "mesh": f"data {d} x model {m}",
+                     "step_s": times[key], "ratio_vs_1dev": times[key] / times[base],
+                     "max_abs_diff_vs_1dev": _max_diff(finals[key](), finals[base]())})
+        if d * m > 1:
+            fsdp[f"mesh_{d}x{m}_ratio_vs_1dev"] = rows[-1]["ratio_vs_1dev"]
+            fsdp[f"mesh_{d}x{m}_max_abs_diff"] = rows[-1]["max_abs_diff_vs_1dev"]
+    # how far one device's parameters moved: the equality check is not between two no-ops
+    fsdp["fsdp_param_change_1dev"] = _max_diff(finals[("dp-sgd-fsdp", (1, 1))](), params)
     top = max(counts)
     per = {f"{name}_overhead_{top}dev": times[(name, top)] / times[(name, 1)]
            for name in TRAINERS}
     summary = {"max_overhead_8dev": max(per.values()) if top == 8 else None,
                "largest_device_count": top, "max_overhead_largest": max(per.values()), **per,
-               "max_abs_diff_vs_1dev": max(r["max_abs_diff_vs_1dev"] for r in rows)}
+               "max_abs_diff_vs_1dev": max(r["max_abs_diff_vs_1dev"] for r in rows), **fsdp}
     config = {"model": "bert-tiny-1layer (random)" if args.quick else "all-MiniLM-L6-v2",
               "batch": batch, "seq_len": seq, "dataset_size": n_data, "lora_rank": RANK,
               "l2_clip": CLIP, "noise_multiplier": SIGMA, "paczero": "zpl, 16 subsets, pool "
-              f"{batch}", "device_counts": counts, "repeats": repeats, "quick": args.quick}
+              f"{batch}", "device_counts": counts, "repeats": repeats, "quick": args.quick,
+              "fsdp": f"DP-SGD of all parameters, lr {FSDP_LR}, meshes (data, model) "
+              f"{[m for m in layouts if m != (1, 1)]}, fsdp_specs min_size 1024"}
     return _common.emit("scaling", config, rows, summary, args.out)
 
 

@@ -280,3 +280,20 @@ def test_clear_errors():
     for bad in ((0, 2), (2, 1.5), (True, 2)):
         with pytest.raises(ValueError, match="positive int"):
             pv.model_mesh(*bad)
+
+
+@pytest.mark.parametrize("method", ["ghost", "ghost_two_pass"])
+def test_ghost_clipping_methods_pass_through(problems, method):
+    """The clipping method of the config reaches clipped_sum unchanged and still matches."""
+    loss, params, frozen, cfg, batch, mask, min_size, _ = problems("mlp")
+    cfg = dataclasses.replace(cfg, clip_method=method)
+    mesh = pv.model_mesh(2, 4)
+    specs = pv.fsdp_specs(params, mesh, min_size=min_size)
+    key = jax.random.key(8)
+    g1, i1 = jax.jit(lambda p, b, m, k: pv.noisy_gradient(loss, p, frozen, b, m, k, cfg))(
+        params, batch, mask, key)
+    gm, im = jax.jit(lambda p, b, m, k: pv.sharded_noisy_gradient(
+        loss, p, frozen, b, m, k, cfg, mesh, param_specs=specs))(
+        pv.shard_params(params, mesh, specs), batch, mask, key)
+    assert int(im.num_clipped) == int(i1.num_clipped) > 0
+    _close(gm, g1)

@@ -13,10 +13,11 @@ partitioner inserts the collectives:
   norm, exactly as on one device;
 * clipped sums: each device contracts its rows' coefficients with its gradient slices; the
   partial sums are reduced across ``data`` and stay sharded over ``model``;
-* noise: drawn once from the replicated key, with the parameter sharding imposed on it, so each
-  device draws only its own slice. JAX's partitionable threefry (``jax_threefry_partitionable``,
-  the default since JAX 0.5) makes a sharded draw bit-identical to the one-device draw, so the
-  noise vector, and its variance ``(z * Delta)^2`` per coordinate, equal the one-device ones.
+* noise: drawn once from the replicated key, with the parameter sharding imposed on it. A
+  partitioned program computes the same function, so the noise vector, and its variance
+  ``(z * Delta)^2`` per coordinate, equal the one-device ones; JAX's partitionable threefry
+  (``jax_threefry_partitionable``, the default) lets each device generate only its own slice
+  (with it off the values are the same, but each device generates whole leaves).
 
 The result equals the one-device ``noisy_gradient`` (same key) up to float summation order, and
 the returned gradient carries the parameter sharding.
