@@ -170,7 +170,8 @@ def test_sharded_private_gradient_samples_like_private_gradient():
     gm, im = jax.jit(lambda p, d, k: pv.sharded_private_gradient(
         loss, p, frozen, d, k, cfg, mesh, microbatch_size=4, param_specs=specs))(
         pv.shard_params(params, mesh, specs), data, key)
-    assert im.mask.shape[0] % 4 == 0 and int(im.mask.sum()) == int(i1.mask.sum())
+    assert im.mask.shape[0] % 16 == 0 and int(im.mask.sum()) == int(i1.mask.sum())
+    assert im.mask.shape[0] // 4 > 4  # more rows per data shard than a microbatch: chunked
     assert int(im.num_clipped) == int(i1.num_clipped) > 0 and not bool(im.overflow)
     _close(gm, g1)
 
@@ -271,6 +272,9 @@ def test_clear_errors():
     with pytest.raises(ValueError, match="does not have"):
         pv.sharded_noisy_gradient(loss, params, frozen, data, None, jax.random.key(0), cfg,
                                   pv.data_mesh(8))
+    with pytest.raises(ValueError, match="not a multiple of microbatch_size 8"):
+        pv.sharded_noisy_gradient(loss, params, frozen, data, None, jax.random.key(0), cfg,
+                                  mesh, microbatch_size=8)  # 12 rows per data shard
     with pytest.raises(ValueError, match="does not have"):
         pv.fsdp_specs(params, pv.data_mesh(8))
     with pytest.raises(ValueError, match="does not divide"):

@@ -35,6 +35,10 @@ Sharp edges:
     :mod:`pavejax.privacy.sharding`): that path needs ``pcast`` to keep per-example gradients
     local. This module uses no ``shard_map``.
   * Mesh axes must be ``Auto`` (as :func:`model_mesh` builds them).
+  * Per-example gradients of a leaf sharded on a dimension other than its first are gathered
+    over ``model`` by the partitioner (``per_example_norms`` flattens them with a reshape): the
+    result is the same, the memory saving on that leaf is lost. ``microbatch_size`` chunks the
+    rows of each ``data`` shard (:func:`_microbatched`).
 """
 
 from __future__ import annotations
@@ -48,7 +52,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
-from pavejax.privacy.clipping import LossFn, check_microbatch_size, clipped_sum
+from pavejax.privacy.clipping import ClipResult, LossFn, check_microbatch_size, clipped_sum
+from pavejax.privacy.gradient import StepInfo
 from pavejax.privacy.noise import privatize_sum
 from pavejax.privacy.sampling import pad_batch, take_batch
 
@@ -197,10 +202,10 @@ def sharded_noisy_gradient(loss_fn: LossFn, trainable: PyTree, frozen: PyTree, b
     (:func:`shard_params` it to shard it too). The batch size must be a multiple of the size of
     ``data_axis`` (pad and mask; :func:`sharded_private_gradient` does it). ``config`` is a
     :class:`~pavejax.privacy.DPConfig`; its clipping configuration is passed to
-    :func:`~pavejax.privacy.clipped_sum` unchanged.
+    :func:`~pavejax.privacy.clipped_sum` unchanged. ``microbatch_size`` chunks the rows *of
+    each data shard* (memory only, never the result): the rows per shard must then be a
+    multiple of it (or at most it: no chunking).
     """
-    from pavejax.privacy.gradient import StepInfo
-
     _check_mesh(mesh, data_axis, model_axis)
     check_microbatch_size(microbatch_size)
     n_data = mesh.shape[data_axis]
@@ -218,8 +223,12 @@ def sharded_noisy_gradient(loss_fn: LossFn, trainable: PyTree, frozen: PyTree, b
     trainable = _constrain(trainable, mesh, flat)
     batch = jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, rows), batch)
     mask = jax.lax.with_sharding_constraint(mask, rows)
-    r = clipped_sum(loss_fn, trainable, frozen, batch, mask, config.clip,
-                    microbatch_size=microbatch_size)
+    local = bsz // n_data
+    if microbatch_size is None or microbatch_size >= local:
+        r = clipped_sum(loss_fn, trainable, frozen, batch, mask, config.clip)
+    else:
+        r = _microbatched(loss_fn, trainable, frozen, batch, mask, config.clip, mesh, data_axis,
+                          microbatch_size)
     grad_sum = _constrain(r.grad_sum, mesh, flat)
     z = config.noise_multiplier if noise_multiplier is None else noise_multiplier
     # The noise is drawn inside privatize_sum from the replicated key; the constraint on its
@@ -231,6 +240,28 @@ def sharded_noisy_gradient(loss_fn: LossFn, trainable: PyTree, frozen: PyTree, b
     return grad, StepInfo(r.losses, r.norms, mask, r.num_clipped, r.num_nonfinite)
 
 
+def _microbatched(loss_fn, trainable, frozen, batch, mask, clip, mesh, data_axis, mb):
+    """Microbatches within each ``data`` shard: the batch is viewed as (n_data, local rows) with
+    the first axis sharded, ``clipped_sum`` (a ``lax.scan`` over chunks of ``mb`` local rows) is
+    vmapped over it and the per-shard sums are added. A scan over chunks of the flat batch
+    would instead gather the batch onto every device (each chunk then lives on one shard)."""
+    n_data = mesh.shape[data_axis]
+    bsz = mask.shape[0]
+    local = bsz // n_data
+    if local % mb:
+        raise ValueError(f"the {local} rows per {data_axis!r} shard (batch {bsz} over {n_data} "
+                         f"devices) are not a multiple of microbatch_size {mb}; pad the batch "
+                         f"to a multiple of {n_data * mb} and mask the padding.")
+    split = NamedSharding(mesh, P(data_axis))
+    batch, mask = jax.tree.map(lambda x: jax.lax.with_sharding_constraint(
+        x.reshape((n_data, local) + x.shape[1:]), split), (batch, mask))
+    r = jax.vmap(lambda b, m: clipped_sum(loss_fn, trainable, frozen, b, m, clip,
+                                          microbatch_size=mb))(batch, mask)
+    return ClipResult(jax.tree.map(lambda g: jnp.sum(g, axis=0), r.grad_sum),
+                      r.losses.reshape(bsz), r.norms.reshape(bsz), jnp.sum(r.num_clipped),
+                      jnp.sum(r.num_nonfinite))
+
+
 def sharded_private_gradient(loss_fn: LossFn, trainable: PyTree, frozen: PyTree, data: PyTree,
                              key: jax.Array, config, mesh: Mesh, *,
                              microbatch_size: int | None = None,
@@ -239,7 +270,7 @@ def sharded_private_gradient(loss_fn: LossFn, trainable: PyTree, frozen: PyTree,
                              data_axis: str = "data", model_axis: str = "model"):
     """:func:`~pavejax.privacy.private_gradient` on a ``(data, model)`` mesh: samples the batch
     from ``data`` as the config says (same key split as ``private_gradient``, so the same draw
-    and noise), pads it to a multiple of the ``data_axis`` size (and of ``microbatch_size``),
+    and noise), pads it to a multiple of the ``data_axis`` size (times ``microbatch_size``),
     then :func:`sharded_noisy_gradient`. The caller checks ``overflow``/``num_nonfinite``
     (:func:`~pavejax.privacy.check_step`) before using the gradient.
     """
@@ -247,7 +278,7 @@ def sharded_private_gradient(loss_fn: LossFn, trainable: PyTree, frozen: PyTree,
     k_sample, k_noise = jax.random.split(key)
     draw = config.sampling.sample(k_sample)
     batch = take_batch(data, draw.indices)
-    multiple = math.lcm(mesh.shape[data_axis], check_microbatch_size(microbatch_size) or 1)
+    multiple = mesh.shape[data_axis] * (check_microbatch_size(microbatch_size) or 1)
     batch, mask = pad_batch(batch, draw.mask, multiple)
     grad, info = sharded_noisy_gradient(loss_fn, trainable, frozen, batch, mask, k_noise, config,
                                         mesh, microbatch_size=microbatch_size,
