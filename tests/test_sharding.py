@@ -38,6 +38,23 @@ def test_eight_devices_equal_one_with_tight_clipping(mesh8):
     assert int(many.num_clipped) == 29
 
 
+@pytest.mark.parametrize("method", ["vmap", "ghost"])
+def test_data_parallel_with_microbatches_and_ghost_equals_one_device(mesh8, method):
+    """Microbatches inside shard_map (the scan's counters are per-device values) and ghost
+    clipping under the data-parallel path both give the one-device clipped sum."""
+    params = _mlp_params(jax.random.key(0))
+    data = _data(jax.random.key(5), 32)
+    mask = jnp.arange(32) < 30
+    one = jax.jit(lambda p, b, m: pv.clipped_sum(_loss, p, FROZEN, b, m,
+                                                 pv.ClipConfig(TIGHT)))(params, data, mask)
+    cfg = pv.ClipConfig(TIGHT, method=method)
+    many = jax.jit(lambda p, b, m: pv.data_parallel_clipped_sum(
+        _loss, p, FROZEN, b, m, cfg, mesh8, microbatch_size=2))(params, data, mask)
+    np.testing.assert_allclose(np.asarray(many.norms), np.asarray(one.norms), rtol=1e-5)
+    _close(many.grad_sum, one.grad_sum)
+    assert int(many.num_clipped) == int(one.num_clipped) == 30
+
+
 def test_gspmd_jit_over_sharded_batch_equals_one_device(mesh8):
     params = _mlp_params(jax.random.key(0))
     data = _data(jax.random.key(2), 32)

@@ -331,6 +331,9 @@ def clipped_sum(loss_fn: LossFn, trainable: PyTree, frozen: PyTree, batch: PyTre
         acc_sum = jax.tree.map(jnp.add, acc_sum, total)
         return (acc_sum, acc_clip + nclip, acc_bad + nbad), (losses, norms)
 
-    init = (zero, jnp.int32(0), jnp.int32(0))
+    # Counters derived from the mask: inside a caller's shard_map they are then per-device
+    # (varying) values like the loop's outputs, which lax.scan requires.
+    count0 = jnp.sum(jnp.zeros_like(mask, jnp.int32))
+    init = (zero, count0, count0)
     (total, nclip, nbad), (losses, norms) = jax.lax.scan(body, init, chunks)
     return ClipResult(total, losses.reshape(bsz), norms.reshape(bsz), nclip, nbad)

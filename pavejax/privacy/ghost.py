@@ -170,8 +170,36 @@ def _inner_jaxpr(eqn):
     return None, None
 
 
+def _vma(v):
+    try:
+        aval = jax.typeof(v)
+    except TypeError:
+        return frozenset()
+    mat = getattr(aval, "manual_axis_type", None)          # jax >= 0.10
+    if mat is not None:
+        return frozenset(getattr(mat, "varying", ()))
+    return frozenset(getattr(aval, "vma", ()))
+
+
+def _match_vma(vals):
+    """Inside a ``shard_map`` with ``check_vma``: mark invariant operands as varying where other
+    operands vary (what ``jax.numpy`` does implicitly; raw primitives require it)."""
+    vmas = [_vma(v) for v in vals]
+    union = frozenset().union(*vmas)
+    if not union:
+        return vals
+    return [jax.lax.pcast(v, tuple(sorted(union - m)), to="varying") if union - m else v
+            for v, m in zip(vals, vmas)]
+
+
+def _like_vma(x, others):
+    """``x`` marked varying over the manual axes that ``others`` vary over (in a shard_map)."""
+    union = frozenset().union(*[_vma(v) for v in others])
+    return jax.lax.pcast(x, tuple(sorted(union)), to="varying") if union else x
+
+
 def _bind(node, vals):
-    out = node.prim.bind(*vals, **node.params)
+    out = node.prim.bind(*_match_vma(vals), **node.params)
     return list(out) if node.prim.multiple_results else [out]
 
 
@@ -229,6 +257,10 @@ def build_plan(loss_fn, trainable, frozen, example) -> _Plan:
         return jnp.asarray(out)
 
     def spec(x):
+        # Arrays and tracers are passed as they are, so that the trace keeps their type (inside
+        # a shard_map, which manual axes they vary over); anything else becomes a spec.
+        if isinstance(x, (jax.Array, jax.ShapeDtypeStruct)):
+            return x
         return jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x))
 
     closed = jax.make_jaxpr(flat_loss)([spec(x) for x in leaves], [spec(x) for x in fr_leaves],
@@ -402,7 +434,7 @@ def _embed_norms(node, table_rows, ids, g):
 
 
 def _plan_for(loss_fn, trainable, frozen, batch):
-    example = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), batch)
+    example = jax.tree.map(lambda x: x[0], batch)
     return build_plan(loss_fn, trainable, frozen, example)
 
 
@@ -413,8 +445,8 @@ def ghost_norms_and_taps(plan: _Plan, leaves, fr_leaves, ex_batched):
     taps = {}
     for i in plan.boundaries:
         n = plan.nodes[i]
-        taps[i] = [jnp.zeros((bsz,) + tuple(av.shape), av.dtype) if _is_float(av) else None
-                   for av in n.out_avals]
+        taps[i] = [_like_vma(jnp.zeros((bsz,) + tuple(av.shape), av.dtype), ex_batched)
+                   if _is_float(av) else None for av in n.out_avals]
 
     def fwd(taps):
         return jax.vmap(lambda ex, tp: _forward_one(plan, penv, ex, tp))(ex_batched, taps)
