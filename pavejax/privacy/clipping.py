@@ -121,8 +121,10 @@ def per_example_norms(grads: PyTree) -> jax.Array:
     """Joint L2 norm over all leaves of per-example gradients with leading axis B -> (B,)."""
     sq = []
     for g in jax.tree.leaves(grads):
-        flat = g.astype(jnp.float32).reshape(g.shape[0], -1)
-        sq.append(jnp.einsum("bi,bi->b", flat, flat))
+        # A sum over the axes, not a reshape: a reshape would gather a leaf sharded on a
+        # non-leading dimension onto every device.
+        g = g.astype(jnp.float32)
+        sq.append(jnp.sum(g * g, axis=tuple(range(1, g.ndim))))
     return jnp.sqrt(sum(sq[1:], sq[0]))
 
 

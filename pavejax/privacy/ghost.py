@@ -306,6 +306,8 @@ def build_plan(loss_fn, trainable, frozen, example) -> _Plan:
             raise ValueError("ghost clipping: the loss returns a trainable leaf directly.")
         leaf_boundaries[li] = reach
         rules[li] = _leaf_rule(b, consumers, ref)
+        if rules[li][0] == "mat":
+            rules[li] = _multi_rule(b, consumers, ref) or rules[li]
     return _Plan(b.nodes, b.tags, b.consts, leaf_refs, frozen_refs, example_refs, out_ref,
                  boundaries, rules, leaf_boundaries, b.avals)
 
@@ -335,6 +337,44 @@ def _leaf_rule(b, consumers, ref):
             return ("embed", cons[0])
         return ("mat",)
     return ("mat",)
+
+
+def _multi_rule(b, consumers, ref):
+    """A 2-D leaf used by several dense/embedding boundaries (e.g. tied input and output
+    embeddings), reached through casts, copies and transposes only: ``("multi", terms)`` with
+    one ``(node, kind, side, swap)`` per use, or None (materialise)."""
+    aval = b.avals.get(ref)
+    if aval is None or len(aval.shape) != 2:
+        return None
+    terms, stack = [], [(ref, False)]
+    while stack:
+        r, swapped = stack.pop()
+        cons = consumers.get(r, [])
+        if not cons:
+            return None
+        for ni in cons:
+            n = b.nodes[ni]
+            if n.kind == _P and n.prim.name in ("convert_element_type", "copy", "copy_p"):
+                stack.append((n.outs[0], swapped))
+            elif n.kind == _P and n.prim.name == "transpose" and tuple(
+                    n.params["permutation"]) == (1, 0):
+                stack.append((n.outs[0], not swapped))
+            elif n.kind == "B" and n.prim.name == "dot_general":
+                side = _dot_rule(n, r, b.tags)
+                if side is None or sum(1 for a in n.ins if a == r) != 1:
+                    return None
+                (lc, rc), _ = n.params["dimension_numbers"]
+                cw = tuple(lc if side == 0 else rc)
+                if len(cw) != 1:
+                    return None
+                # K_W = Xᵀ G in the layout (contracting dim, free dim); (A, B) = (X, G) when W's
+                # contracting dim comes first, else (G, X); a transpose of the leaf swaps again.
+                terms.append((ni, "dot", side, (cw[0] != 0) != swapped))
+            elif n.kind == "B" and not swapped and _embed_rule(n, r, b.tags, b.avals):
+                terms.append((ni, "embed", None, False))
+            else:
+                return None
+    return ("multi", tuple(terms)) if len(terms) > 1 else None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -388,8 +428,9 @@ def _bind_batched(plan, node, penv, saved_i):
     return jax.vmap(one)(*saved_i)
 
 
-def _dot_norms(node, side, x, g):
-    """Per-example squared norms of the weight gradient of a dense boundary. x, g batched."""
+def _dot_xg(node, side, x, g):
+    """The activation X (B, T, d_in) and output gradient G (B, T, d_out) of a dense boundary,
+    with the per-example weight gradient ``X_iᵀ G_i`` (contracting dims x free dims)."""
     (lc, rc), _ = node.params["dimension_numbers"]
     xc = tuple(rc if side == 0 else lc)          # contracting dims of the activation
     xnd = x.ndim - 1
@@ -407,8 +448,13 @@ def _dot_norms(node, side, x, g):
     t = math.prod(X.shape[1:1 + nxf])
     X = X.reshape(bsz, t, -1).astype(jnp.float32)
     G = jnp.transpose(g, (0,) + tuple(d + 1 for d in gperm)).reshape(bsz, t, -1)
-    G = G.astype(jnp.float32)
-    d_in, d_out = X.shape[2], G.shape[2]
+    return X, G.astype(jnp.float32)
+
+
+def _dot_norms(node, side, x, g):
+    """Per-example squared norms of the weight gradient of a dense boundary. x, g batched."""
+    X, G = _dot_xg(node, side, x, g)
+    t, d_in, d_out = X.shape[1], X.shape[2], G.shape[2]
     if t * (d_in + d_out) <= d_in * d_out:
         xx = jnp.einsum("btd,bsd->bts", X, X)
         gg = jnp.einsum("bte,bse->bts", G, G)
@@ -417,17 +463,59 @@ def _dot_norms(node, side, x, g):
     return jnp.einsum("bde,bde->b", k, k)
 
 
-def _embed_norms(node, table_rows, ids, g):
-    """Per-example squared norms of an embedding table's gradient (rows looked up by ids)."""
+def _gram(a, b):
+    """(B, T, S) inner products of the rows of two factors; a factor is a dense (B, T, m) array
+    or ``("ids", ids (B, T), m)`` standing for the one-hot rows of a lookup."""
+    if isinstance(a, tuple) and isinstance(b, tuple):
+        return (a[1][:, :, None] == b[1][:, None, :]).astype(jnp.float32)
+    if isinstance(a, tuple):
+        return jnp.swapaxes(_gram(b, a), 1, 2)
+    if isinstance(b, tuple):                      # <a_t, onehot(id_s)> = a[t, id_s]
+        return jnp.take_along_axis(a, b[1][:, None, :], axis=2)
+    return jnp.einsum("btm,bsm->bts", a, b)
+
+
+def _multi_norms(plan, terms, saved, grads):
+    """Squared norm of Σ_e A_eᵀ B_e per example (all uses of one 2-D leaf, cross terms kept)."""
+    factors = []
+    for ni, kind, side, swap in terms:
+        node = plan.nodes[ni]
+        (x,) = saved[ni]
+        if kind == "dot":
+            X, G = _dot_xg(node, side, x, grads[ni][0])
+            factors.append((G, X) if swap else (X, G))
+        else:
+            rows = plan.avals[node.ins[0]].shape[0]
+            ids, G = _embed_ids_g(node, rows, x, grads[ni][0])
+            factors.append((("ids", ids, rows), G))
+    total = 0.0
+    for e in range(len(factors)):
+        for f in range(e, len(factors)):
+            (ae, be), (af, bf) = factors[e], factors[f]
+            term = jnp.einsum("bts,bts->b", _gram(ae, af), _gram(be, bf))
+            total = total + (term if e == f else 2.0 * term)
+    return total
+
+
+def _embed_ids_g(node, table_rows, ids, g):
+    """Row ids (B, T) and row gradients (B, T, d) of a lookup, after the lookup's own rule for
+    out-of-range ids (clip, or drop for fill)."""
     bsz = ids.shape[0]
     ids = ids.reshape(bsz, -1)
     G = g.reshape(bsz, ids.shape[1], -1).astype(jnp.float32)
-    mode = str(node.params.get("mode", ""))
-    if "CLIP" in mode.upper() or "PROMISE" in mode.upper():
+    mode = str(node.params.get("mode", "")).upper()
+    if "CLIP" in mode or "PROMISE" in mode:
         ids = jnp.clip(ids, 0, table_rows - 1)
     else:
         valid = (ids >= 0) & (ids < table_rows)
         G = jnp.where(valid[..., None], G, 0.0)
+        ids = jnp.where(valid, ids, -1)
+    return ids, G
+
+
+def _embed_norms(node, table_rows, ids, g):
+    """Per-example squared norms of an embedding table's gradient (rows looked up by ids)."""
+    ids, G = _embed_ids_g(node, table_rows, ids, g)
     same = ids[:, :, None] == ids[:, None, :]
     gg = jnp.einsum("bte,bse->bts", G, G)
     return jnp.sum(jnp.where(same, gg, 0.0), axis=(1, 2))
@@ -476,6 +564,8 @@ def per_leaf_sq_norms(plan: _Plan, leaves, penv, saved, grads):
             (ids,) = saved[ni]
             rows = plan.avals[node.ins[0]].shape[0]
             out[li] = _embed_norms(node, rows, ids, grads[ni][0])
+        elif rule[0] == "multi":
+            out[li] = _multi_norms(plan, rule[1], saved, grads)
         else:
             mat.append(li)
     if mat:
