@@ -34,10 +34,12 @@ LOG_TAIL = 40
 
 
 def discover(bench_dir: Path) -> dict[str, Path]:
-    """Benchmark scripts in ``bench_dir`` by name: ``*.py`` minus ``_*.py`` and this script."""
+    """Benchmark scripts in ``bench_dir`` by name: ``*.py`` minus ``_*.py``, this script and
+    ``accelerator.py`` (a driver of the others for one accelerator host, not a benchmark)."""
     me = Path(__file__).resolve()
     return {p.stem: p for p in sorted(bench_dir.glob("*.py"))
-            if not p.name.startswith("_") and p.resolve() != me and p.name != "report.py"}
+            if not p.name.startswith("_") and p.resolve() != me
+            and p.name not in ("report.py", "accelerator.py")}
 
 
 def select(found: dict[str, Path], only: str | None) -> dict[str, Path]:

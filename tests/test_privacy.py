@@ -354,3 +354,42 @@ def test_poisson_sampler_output_pinned_by_independent_reimplementation(seed):
     np.testing.assert_array_equal(idx, want_idx)
     np.testing.assert_array_equal(mask, np.arange(max_batch) < len(chosen))
     assert 0 < len(chosen) < max_batch  # a non-trivial draw, not all padding
+
+
+def test_large_leaves_draw_noise_in_blocks_with_the_right_distribution():
+    """A leaf above MAX_DRAW_ELEMS is drawn in row blocks: still iid N(0, s^2) (mean, std,
+    no repeated block, no correlation between blocks), and the compiled draw needs far less
+    scratch memory than the whole-leaf draw (the reason for the blocks)."""
+    from pavejax.privacy import noise as N
+
+    shape = (4096, 64)                       # 262,144 values; blocks of 512 rows with the cap
+    cap = 1 << 15
+    assert N._block_rows(shape, cap) == 512
+    assert N._block_rows((97, 1024), cap) is None        # prime rows: no block near the target
+    x = N.gaussian_noise_like(jax.random.key(3), {"w": jnp.zeros(shape)}, 2.0,
+                              max_draw_elems=cap)["w"]
+    whole = N.gaussian_noise_like(jax.random.key(3), {"w": jnp.zeros(shape)}, 2.0,
+                                  max_draw_elems=None)["w"]
+    v = np.asarray(x, np.float64)
+    assert abs(v.mean()) < 4 * 2.0 / math.sqrt(v.size)
+    assert abs(v.std() - 2.0) < 0.01
+    blocks = v.reshape(8, 512 * 64)
+    corr = np.corrcoef(blocks)
+    assert np.max(np.abs(corr - np.eye(8))) < 0.02
+    assert not np.allclose(v, np.asarray(whole))         # a different (blocked) draw
+    small = N.gaussian_noise_like(jax.random.key(3), {"w": jnp.zeros((8, 8))}, 2.0,
+                                  max_draw_elems=cap)["w"]
+    np.testing.assert_array_equal(
+        np.asarray(small),
+        np.asarray(N.gaussian_noise_like(jax.random.key(3), {"w": jnp.zeros((8, 8))}, 2.0,
+                                         max_draw_elems=None)["w"]))
+
+    def temp(cap_):
+        f = jax.jit(lambda s, k: N.privatize_sum(s, k, noise_multiplier=1.0, sensitivity=1.0,
+                                                 expected_batch_size=4.0,
+                                                 max_draw_elems=cap_), donate_argnums=0)
+        return f.lower(jnp.zeros(shape), jax.random.key(0)).compile().memory_analysis(
+            ).temp_size_in_bytes
+
+    leaf_bytes = 4 * math.prod(shape)
+    assert temp(cap) <= leaf_bytes < 2 * leaf_bytes <= temp(None)

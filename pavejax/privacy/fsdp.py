@@ -35,10 +35,8 @@ Sharp edges:
     :mod:`pavejax.privacy.sharding`): that path needs ``pcast`` to keep per-example gradients
     local. This module uses no ``shard_map``.
   * Mesh axes must be ``Auto`` (as :func:`model_mesh` builds them).
-  * Per-example gradients of a leaf sharded on a dimension other than its first are gathered
-    over ``model`` by the partitioner (``per_example_norms`` flattens them with a reshape): the
-    result is the same, the memory saving on that leaf is lost. ``microbatch_size`` chunks the
-    rows of each ``data`` shard (:func:`_microbatched`).
+  * ``microbatch_size`` chunks the rows of each ``data`` shard (:func:`_microbatched`).
+  * ``config.clip_method="ghost"`` works here too (the same traced program, partitioned).
 """
 
 from __future__ import annotations

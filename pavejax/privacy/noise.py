@@ -46,15 +46,63 @@ def fresh_key() -> jax.Array:
     return jax.random.wrap_key_data(jnp.asarray(data), impl=jax.random.key_impl(jax.random.key(0)))
 
 
-def gaussian_noise_like(key: jax.Array, tree: PyTree, stddev: float) -> PyTree:
+#: Leaves with more elements than this draw their noise in blocks of leading-axis rows (see
+#: :func:`gaussian_noise_like`); 2**22 float32 values are 16 MiB.
+MAX_DRAW_ELEMS = 1 << 22
+
+
+def _block_rows(shape: tuple[int, ...], max_elems: int) -> int | None:
+    """Rows per block for a blocked draw of ``shape``, or None to draw it whole."""
+    n = math.prod(shape)
+    if len(shape) < 1 or n <= max_elems or shape[0] < 2:
+        return None
+    per_row = n // shape[0]
+    target = max_elems // per_row
+    if target < 1:
+        return None
+    r = max(d for d in range(1, min(target, shape[0]) + 1) if shape[0] % d == 0)
+    return r if 4 * r >= target else None     # no divisor near the target: draw it whole
+
+
+def _noisy_leaf(s: jax.Array, key: jax.Array, std: jax.Array, inv: jax.Array,
+                max_elems: int | None) -> jax.Array:
+    """``(s + std * N(0, I)) * inv`` for one leaf; a large leaf block by block, in place (the
+    blocks of rows ``[j r, (j + 1) r)`` use ``fold_in(key, j)``)."""
+    shape = tuple(s.shape)
+    r = None if max_elems is None else _block_rows(shape, max_elems)
+    if r is None:
+        n = jax.random.normal(key, shape, jnp.float32)
+        return (s + n.astype(s.dtype) * std.astype(s.dtype)) * inv.astype(s.dtype)
+
+    def body(j, acc):
+        n = jax.random.normal(jax.random.fold_in(key, j), (r,) + shape[1:], jnp.float32)
+        rows = jax.lax.dynamic_slice_in_dim(acc, j * r, r, 0)
+        new = (rows + n.astype(s.dtype) * std.astype(s.dtype)) * inv.astype(s.dtype)
+        return jax.lax.dynamic_update_slice_in_dim(acc, new, j * r, 0)
+
+    return jax.lax.fori_loop(0, shape[0] // r, body, s)
+
+
+def gaussian_noise_like(key: jax.Array, tree: PyTree, stddev: float, *,
+                        max_draw_elems: int | None = MAX_DRAW_ELEMS) -> PyTree:
     """N(0, stddev^2) noise with the structure and dtypes of ``tree`` (float32 draws).
 
-    Leaf i uses ``fold_in(key, i)``, so the noise of a leaf does not depend on the others.
+    Leaf i uses ``fold_in(key, i)``, so the noise of a leaf does not depend on the others. A
+    leaf with more than ``max_draw_elems`` elements is drawn in blocks of leading-axis rows
+    (block j from ``fold_in(leaf key, j)``, about ``max_draw_elems`` values each, one after the
+    other): the values are still independent N(0, stddev^2), and the draw needs one block of
+    scratch memory instead of several arrays of the leaf's size (threefry's counters and output
+    words are not fused on CPU and GPU: measured 4x the leaf in XLA temp memory for a
+    49152 x 576 table, 0.75x blocked). ``None`` draws every leaf whole. Under a parameter
+    sharding, a blocked leaf is drawn by a loop over row blocks that the partitioner may run on
+    every device (the same values; the scratch stays one block); whole leaves are drawn
+    shard by shard.
     """
     leaves, treedef = jax.tree.flatten(tree)
+    one, std = jnp.float32(1.0), jnp.float32(stddev)
     noise = [
-        (jnp.float32(stddev) * jax.random.normal(jax.random.fold_in(key, i), x.shape,
-                                                 jnp.float32)).astype(x.dtype)
+        _noisy_leaf(jnp.zeros(x.shape, jnp.float32), jax.random.fold_in(key, i), std, one,
+                    max_draw_elems).astype(x.dtype)
         for i, x in enumerate(leaves)
     ]
     return jax.tree.unflatten(treedef, noise)
@@ -81,7 +129,8 @@ def _check_noise_args(noise_multiplier: Any, expected_batch_size: Any) -> None:
 
 
 def privatize_sum(grad_sum: PyTree, key: jax.Array, *, noise_multiplier: float | jax.Array,
-                  sensitivity: float, expected_batch_size: float) -> PyTree:
+                  sensitivity: float, expected_batch_size: float,
+                  max_draw_elems: int | None = MAX_DRAW_ELEMS) -> PyTree:
     """Noisy mean gradient ``(grad_sum + N(0, (noise_multiplier*sensitivity)^2)) / b_exp``.
 
     Args:
@@ -92,13 +141,16 @@ def privatize_sum(grad_sum: PyTree, key: jax.Array, *, noise_multiplier: float |
         for them, not here.
       sensitivity: add/remove L2 sensitivity of ``grad_sum`` (the clip norm for joint clipping).
       expected_batch_size: public normaliser (q*n for Poisson sampling, b for fixed-size).
+      max_draw_elems: leaves larger than this draw their noise in blocks
+        (:func:`gaussian_noise_like`); ``None`` draws whole leaves.
     """
     _check_noise_args(noise_multiplier, expected_batch_size)
     std = jnp.asarray(noise_multiplier, jnp.float32) * jnp.float32(sensitivity)
-    noise = gaussian_noise_like(key, grad_sum, 1.0)
     inv = 1.0 / jnp.asarray(expected_batch_size, jnp.float32)
-    return jax.tree.map(lambda s, n: ((s + n * std.astype(s.dtype)) * inv.astype(s.dtype)),
-                        grad_sum, noise)
+    leaves, treedef = jax.tree.flatten(grad_sum)
+    out = [_noisy_leaf(x, jax.random.fold_in(key, i), std, inv, max_draw_elems)
+           for i, x in enumerate(leaves)]
+    return jax.tree.unflatten(treedef, out)
 
 
 class PrivatizerState(NamedTuple):
