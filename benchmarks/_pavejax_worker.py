@@ -90,7 +90,9 @@ class Setting:
             sparse = {WORD_EMBEDDINGS: "input_ids"}
         else:
             raise ValueError(f"setting must be 'lora' or 'full', got {self.setting!r}")
-        self.clip = ClipConfig(float(request["clip"]), sparse_rows=sparse)
+        method = request.get("method", "vmap")
+        self.clip = ClipConfig(float(request["clip"]), sparse_rows=sparse if method == "vmap"
+                               else (), method=method)
         self.microbatch = request.get("microbatch")
         self.batches = [
             {"input_ids": jnp.asarray(shared["input_ids"][i]),

@@ -56,6 +56,8 @@ _P, _E, _C = "P", "E", "C"
 # Call-like primitives whose body is inlined when a parameter and the example both enter it.
 _INLINE = {"pjit", "jit", "closed_call", "core_call", "remat", "checkpoint", "custom_jvp_call",
            "remat2"}
+# Boundary ops whose parameter gradient does not depend on the example operand's value.
+_ADDITIVE = {"add", "sub", "add_any"}
 # Parameter-only unary ops that keep the L2 norm of a gradient (a pure re-layout or cast).
 _NORM_KEEPING = {"convert_element_type", "transpose", "reshape", "copy", "copy_p", "squeeze",
                  "expand_dims"}
@@ -403,28 +405,39 @@ def _forward_one(plan: _Plan, penv, ex_leaves, taps):
         vals = [_read(env, plan.consts, a) for a in n.ins]
         outs = _bind(n, vals)
         if n.kind == "B":
-            saved[i] = [v for a, v in zip(n.ins, vals)
-                        if not isinstance(a, _Lit) and plan.tags[a] == _E]
+            # An addition's parameter gradient does not depend on the other operand: nothing to
+            # keep (for a bias that is a whole activation less held until the clip factors).
+            saved[i] = [] if n.prim.name in _ADDITIVE else [
+                v for a, v in zip(n.ins, vals) if not isinstance(a, _Lit) and plan.tags[a] == _E]
             outs = [o + t.astype(o.dtype) if t is not None else o for o, t in zip(outs, taps[i])]
         env.update(zip(n.outs, outs))
     return env[plan.out_ref], saved
 
 
-def _bind_batched(plan, node, penv, saved_i):
-    """A boundary node evaluated on a batch of saved example inputs (parameters unbatched)."""
-    it = iter(range(len(saved_i)))
-    pos = []
+def _example_vals(plan, node, env, stored):
+    """The operands of a boundary node: parameters from ``env``, example operands from
+    ``stored`` (zeros for an addition, whose parameter gradient does not depend on them)."""
+    it = iter(stored)
+    vals = []
     for a in node.ins:
         if not isinstance(a, _Lit) and plan.tags[a] == _E:
-            pos.append(next(it))
+            if node.prim.name in _ADDITIVE:
+                av = plan.avals[a]
+                vals.append(jnp.zeros(av.shape, av.dtype))
+            else:
+                vals.append(next(it))
         else:
-            pos.append(None)
+            vals.append(_read(env, plan.consts, a))
+    return vals
 
-    def one(*ex_vals):
-        vals = [ex_vals[p] if p is not None else _read(penv, plan.consts, a)
-                for a, p in zip(node.ins, pos)]
-        return _bind(node, vals)
 
+def _bind_batched(plan, node, penv, saved_i, bsz):
+    """A boundary node evaluated on a batch of saved example inputs (parameters unbatched)."""
+    def one(*stored):
+        return _bind(node, _example_vals(plan, node, penv, stored))
+
+    if not saved_i:
+        return jax.vmap(one, axis_size=bsz)()
     return jax.vmap(one)(*saved_i)
 
 
@@ -451,12 +464,20 @@ def _dot_xg(node, side, x, g):
     return X, G.astype(jnp.float32)
 
 
-def _dot_norms(node, side, x, g):
-    """Per-example squared norms of the weight gradient of a dense boundary. x, g batched."""
+def _dot_norms(node, side, x, g, grams=None):
+    """Per-example squared norms of the weight gradient of a dense boundary. x, g batched.
+    ``grams`` memoises ``X Xᵀ`` of activations shared by several layers (query/key/value)."""
     X, G = _dot_xg(node, side, x, g)
     t, d_in, d_out = X.shape[1], X.shape[2], G.shape[2]
     if t * (d_in + d_out) <= d_in * d_out:
-        xx = jnp.einsum("btd,bsd->bts", X, X)
+        (lc, rc), _ = node.params["dimension_numbers"]
+        key = (id(x), tuple(rc if side == 0 else lc))
+        if grams is not None and key in grams:
+            xx = grams[key][1]
+        else:
+            xx = jnp.einsum("btd,bsd->bts", X, X)
+            if grams is not None:
+                grams[key] = (x, xx)             # x kept so that its id stays unique
         gg = jnp.einsum("bte,bse->bts", G, G)
         return jnp.einsum("bts,bts->b", xx, gg)
     k = jnp.einsum("btd,bte->bde", X, G)
@@ -548,6 +569,7 @@ def per_leaf_sq_norms(plan: _Plan, leaves, penv, saved, grads):
     """Per-example squared gradient norm of every trainable leaf -> list of (B,) arrays."""
     out = [None] * len(leaves)
     mat = []
+    grams = {}
     for li in range(len(leaves)):
         rule = plan.rules[li]
         if not plan.leaf_boundaries[li]:
@@ -557,7 +579,7 @@ def per_leaf_sq_norms(plan: _Plan, leaves, penv, saved, grads):
             _, ni, side = rule
             node = plan.nodes[ni]
             (x,) = saved[ni]
-            out[li] = _dot_norms(node, side, x, grads[ni][0])
+            out[li] = _dot_norms(node, side, x, grads[ni][0], grams)
         elif rule[0] == "embed":
             _, ni = rule
             node = plan.nodes[ni]
@@ -572,7 +594,7 @@ def per_leaf_sq_norms(plan: _Plan, leaves, penv, saved, grads):
         sq = _materialised_sq_norms(plan, leaves, penv, saved, grads, mat)
         for li, s in zip(mat, sq):
             out[li] = s
-    bsz = next(iter(jax.tree.leaves(saved))).shape[0]
+    bsz = next(iter(jax.tree.leaves(grads))).shape[0]
     return [jnp.zeros((bsz,), jnp.float32) if s is None else s for s in out]
 
 
@@ -591,13 +613,7 @@ def _materialised_sq_norms(plan, leaves, penv, saved, grads, mat):
         total = jnp.float32(0.0)
         for ni in nodes:
             node = plan.nodes[ni]
-            vals, it = [], iter(saved_i[ni])
-            for a in node.ins:
-                if not isinstance(a, _Lit) and plan.tags[a] == _E:
-                    vals.append(next(it))
-                else:
-                    vals.append(_read(env, plan.consts, a))
-            outs = _bind(node, vals)
+            outs = _bind(node, _example_vals(plan, node, env, saved_i[ni]))
             for o, gi in zip(outs, grads_i[ni]):
                 if gi is not None and _is_float(o):
                     total = total + jnp.sum(o.astype(jnp.float32)
@@ -619,7 +635,7 @@ def weighted_sum(plan: _Plan, leaves, fr_leaves, saved, grads, coefs):
         env = _param_env(plan, lv, fr_vals)
         total = jnp.float32(0.0)
         for ni in plan.boundaries:
-            outs = _bind_batched(plan, plan.nodes[ni], env, saved[ni])
+            outs = _bind_batched(plan, plan.nodes[ni], env, saved[ni], coefs.shape[0])
             for o, gi in zip(outs, grads[ni]):
                 if gi is not None and _is_float(o):
                     c = coefs.reshape((-1,) + (1,) * (gi.ndim - 1)).astype(gi.dtype)
