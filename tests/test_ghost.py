@@ -84,13 +84,13 @@ def _mlp_batch(bsz=8, t=6, seed=1):
             "ids": jnp.asarray(rng.integers(0, 11, size=(bsz, t)), jnp.int32)}
 
 
-def test_rules_pick_ghost_for_dense_and_embedding_and_materialise_the_rest():
+def test_rules_pick_ghost_dense_embedding_elementwise_and_materialise_the_rest():
     params = _mlp()
     plan = ghost.build_plan(_mlp_loss, params, None,
                             jax.tree.map(lambda x: x[0], _mlp_batch()))
     names = sorted(params)                       # dict leaves flatten in sorted key order
     kinds = {names[i]: r[0] for i, r in plan.rules.items()}
-    assert kinds == {"emb": "embed", "w1": "dot", "b1": "mat", "scale": "mat", "w2": "mat"}
+    assert kinds == {"emb": "embed", "w1": "dot", "b1": "ew", "scale": "ew", "w2": "mat"}
 
 
 def test_parity_small_network_with_padding_and_tight_clip():

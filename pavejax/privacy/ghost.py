@@ -48,6 +48,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.extend import core as jcore
 
 PyTree = Any
@@ -309,6 +310,8 @@ def build_plan(loss_fn, trainable, frozen, example) -> _Plan:
         leaf_boundaries[li] = reach
         rules[li] = _leaf_rule(b, consumers, ref)
         if rules[li][0] == "mat":
+            rules[li] = _elementwise_rule(b, consumers, ref) or rules[li]
+        if rules[li][0] == "mat":
             rules[li] = _multi_rule(b, consumers, ref) or rules[li]
     return _Plan(b.nodes, b.tags, b.consts, leaf_refs, frozen_refs, example_refs, out_ref,
                  boundaries, rules, leaf_boundaries, b.avals)
@@ -316,17 +319,21 @@ def build_plan(loss_fn, trainable, frozen, example) -> _Plan:
 
 def _leaf_rule(b, consumers, ref):
     """Follows a single-consumer chain of norm-keeping ops to one dense or embedding boundary."""
-    r = ref
+    r, chain = ref, []
     for _ in range(64):
         cons = consumers.get(r, [])
         if len(cons) != 1:
             return ("mat",)
         n = b.nodes[cons[0]]
-        if n.kind == _P and n.prim.name in _NORM_KEEPING and len(n.outs) == 1:
+        single = len(n.outs) == 1 and n.ins[0] == r and all(
+            isinstance(a, _Lit) or a == r for a in n.ins)
+        if n.kind == _P and n.prim.name in _NORM_KEEPING and single:
+            chain.append(cons[0])
             r = n.outs[0]
             continue
-        if n.kind == _P and n.prim.name == "broadcast_in_dim" and (
+        if n.kind == _P and n.prim.name == "broadcast_in_dim" and single and (
                 math.prod(b.avals[n.outs[0]].shape) == math.prod(b.avals[r].shape)):
+            chain.append(cons[0])
             r = n.outs[0]
             continue
         if n.kind != "B":
@@ -334,11 +341,82 @@ def _leaf_rule(b, consumers, ref):
         if n.prim.name == "dot_general":
             side = _dot_rule(n, r, b.tags)
             if side is not None and sum(1 for a in n.ins if a == r) == 1:
-                return ("dot", cons[0], side)
+                return ("dot", cons[0], side, tuple(chain))
         if _embed_rule(n, r, b.tags, b.avals):
             return ("embed", cons[0])
         return ("mat",)
     return ("mat",)
+
+
+_CHAIN_OPS = _NORM_KEEPING | {"broadcast_in_dim"}
+
+
+def _elementwise_rule(b, consumers, ref):
+    """A leaf reaching one ``mul``/``add``/``sub`` with the example through reshapes, casts and
+    broadcasts (biases, norm scales): ``("ew", node, operand index, chain)``; its per-example
+    gradient is the output gradient (times the other operand for ``mul``) summed back over the
+    broadcast axes, computed directly."""
+    r, chain = ref, []
+    for _ in range(64):
+        cons = consumers.get(r, [])
+        if len(cons) != 1:
+            return None
+        n = b.nodes[cons[0]]
+        if n.kind == _P and n.prim.name in _CHAIN_OPS and len(n.outs) == 1 and (
+                n.ins[0] == r and all(isinstance(a, _Lit) or a == r for a in n.ins)):
+            chain.append(cons[0])
+            r = n.outs[0]
+            continue
+        if n.kind != "B" or n.prim.name not in ("mul", "add", "sub") or len(n.ins) != 2:
+            return None
+        pos = [i for i, a in enumerate(n.ins) if a == r]
+        other = n.ins[1 - pos[0]] if len(pos) == 1 else None
+        if other is None or isinstance(other, _Lit) or b.tags.get(other) != _E:
+            return None
+        out = tuple(n.out_avals[0].shape)
+        for shape in (tuple(b.avals[other].shape), tuple(b.avals[r].shape)):
+            # Equal shapes, or size-1 axes that the primitive broadcasts implicitly.
+            if len(shape) != len(out) or any(d not in (1, o) for d, o in zip(shape, out)):
+                return None
+        return ("ew", cons[0], pos[0], tuple(chain))
+    return None
+
+
+def _ew_norms(plan, rule, saved, grads):
+    """Per-example squared norms for an ``("ew", ...)`` leaf, pulled back along its chain."""
+    _, ni, pos, chain = rule
+    node = plan.nodes[ni]
+    g = grads[ni][0].astype(jnp.float32)
+    if node.prim.name == "mul":
+        (other,) = saved[ni]
+        g = g * other.astype(jnp.float32)
+    elif node.prim.name == "sub" and pos == 1:
+        g = -g
+    p_shape = tuple(plan.avals[node.ins[pos]].shape)
+    axes = tuple(i + 1 for i, d in enumerate(p_shape) if d == 1 and g.shape[i + 1] != 1)
+    if axes:                                     # the primitive broadcast size-1 axes
+        g = jnp.sum(g, axis=axes, keepdims=True)
+    for ci in reversed(chain):
+        n = plan.nodes[ci]
+        in_shape = tuple(plan.avals[n.ins[0]].shape)
+        bsz = g.shape[0]
+        if n.prim.name == "broadcast_in_dim":
+            bd = tuple(n.params["broadcast_dimensions"])
+            out_shape = tuple(n.params["shape"])
+            keep = [d for d in range(len(out_shape)) if d not in bd]
+            g = jnp.sum(g, axis=tuple(d + 1 for d in keep))
+            ones = tuple(i + 1 for i, d in enumerate(in_shape)
+                         if d == 1 and out_shape[bd[i]] != 1)
+            if ones:
+                g = jnp.sum(g, axis=ones, keepdims=True)
+            g = g.reshape((bsz,) + in_shape)
+        elif n.prim.name == "transpose":
+            perm = tuple(n.params["permutation"])
+            inv = tuple(int(i) for i in np.argsort(perm))
+            g = jnp.transpose(g, (0,) + tuple(i + 1 for i in inv))
+        else:                                    # reshapes and casts keep the values
+            g = g.reshape((bsz,) + in_shape)
+    return jnp.sum(g * g, axis=tuple(range(1, g.ndim)))
 
 
 def _multi_rule(b, consumers, ref):
@@ -576,7 +654,7 @@ def per_leaf_sq_norms(plan: _Plan, leaves, penv, saved, grads):
             out[li] = None                           # the loss does not use this leaf
             continue
         if rule[0] == "dot":
-            _, ni, side = rule
+            _, ni, side, _ = rule
             node = plan.nodes[ni]
             (x,) = saved[ni]
             out[li] = _dot_norms(node, side, x, grads[ni][0], grams)
@@ -588,6 +666,8 @@ def per_leaf_sq_norms(plan: _Plan, leaves, penv, saved, grads):
             out[li] = _embed_norms(node, rows, ids, grads[ni][0])
         elif rule[0] == "multi":
             out[li] = _multi_norms(plan, rule[1], saved, grads)
+        elif rule[0] == "ew":
+            out[li] = _ew_norms(plan, rule, saved, grads)
         else:
             mat.append(li)
     if mat:
@@ -627,14 +707,53 @@ def _materialised_sq_norms(plan, leaves, penv, saved, grads, mat):
             for g in per_ex]
 
 
+def _dot_weight_grad(plan, rule, x, cg, leaf):
+    """Σ_i X_iᵀ (c_i G_i) of a dense leaf, in the leaf's layout: one contraction over the batch
+    and sequence axes, then the weight's own axis order, then back along the leaf's chain of
+    re-layouts and casts."""
+    _, ni, side, chain = rule
+    node = plan.nodes[ni]
+    X, G = _dot_xg(node, side, x, cg)
+    k = jnp.einsum("btd,bte->de", X, G)
+    w_ref = node.ins[0] if side == 0 else node.ins[1]
+    w_shape = tuple(plan.avals[w_ref].shape)
+    (lc, rc), _ = node.params["dimension_numbers"]
+    cw = tuple(lc if side == 0 else rc)
+    wf = tuple(d for d in range(len(w_shape)) if d not in cw)
+    order = cw + wf
+    k = k.reshape(tuple(w_shape[d] for d in order))
+    k = jnp.transpose(k, tuple(int(i) for i in np.argsort(order)))
+    for ci in reversed(chain):
+        n = plan.nodes[ci]
+        in_aval = plan.avals[n.ins[0]]
+        if n.prim.name == "transpose":
+            k = jnp.transpose(k, tuple(int(i) for i in np.argsort(n.params["permutation"])))
+        else:
+            k = k.reshape(tuple(in_aval.shape))
+    return k.astype(leaf.dtype)
+
+
 def weighted_sum(plan: _Plan, leaves, fr_leaves, saved, grads, coefs):
-    """Σ_i coefs_i ∇loss_i by book-keeping: the boundaries' vjps with the scaled output grads."""
+    """Σ_i coefs_i ∇loss_i by book-keeping: dense leaves by one contraction of the saved
+    activations with the scaled output gradients, every other leaf through its boundaries' vjps
+    with the scaled output gradients."""
     fr_vals = list(fr_leaves)
+    direct, handled = {}, set()
+    for li, rule in plan.rules.items():
+        if rule[0] == "dot" and plan.leaf_boundaries[li] == {rule[1]}:
+            ni = rule[1]
+            (x,) = saved[ni]
+            g = grads[ni][0]
+            cg = g * coefs.reshape((-1,) + (1,) * (g.ndim - 1)).astype(g.dtype)
+            direct[li] = _dot_weight_grad(plan, rule, x, cg, leaves[li])
+            handled.add(ni)
 
     def s(lv):
         env = _param_env(plan, lv, fr_vals)
         total = jnp.float32(0.0)
         for ni in plan.boundaries:
+            if ni in handled:
+                continue
             outs = _bind_batched(plan, plan.nodes[ni], env, saved[ni], coefs.shape[0])
             for o, gi in zip(outs, grads[ni]):
                 if gi is not None and _is_float(o):
@@ -643,7 +762,8 @@ def weighted_sum(plan: _Plan, leaves, fr_leaves, saved, grads, coefs):
                         jnp.float32)
         return total
 
-    return jax.grad(s)(list(leaves))
+    rest = jax.grad(s)(list(leaves))
+    return [direct.get(li, g) for li, g in enumerate(rest)]
 
 
 def _bcast(v, like):
