@@ -252,3 +252,17 @@ def test_parity_llama_lora(llama):
     plan = ghost.build_plan(loss, B, frozen, jax.tree.map(lambda x: x[0], data))
     assert {r[0] for r in plan.rules.values()} == {"dot"}
     _check_parity(loss, B, frozen, data, None, 0.05, min_clipped=5)
+    # A Poisson batch drawn from a pool, padded and masked, through the whole DP step.
+    sampling = SamplingConfig("poisson", dataset_size=48, batch_size=4, max_batch=8)
+    draw = sampling.sample(jax.random.key(11))
+    pool = jax.tree.map(lambda x: jnp.concatenate([x] * 8), data)
+    batch, pmask = pad_batch(take_batch(pool, draw.indices), draw.mask, 1)
+    assert 0 < int(pmask.sum()) < 8
+    outs = {}
+    for method in ("vmap",) + METHODS:
+        dp = DPConfig(0.05, 1.0, sampling, clip_method=method)
+        outs[method] = jax.jit(lambda t, f, b, m, k: noisy_gradient(loss, t, f, b, m, k, dp))(
+            B, frozen, batch, pmask, jax.random.key(5))
+    for method in METHODS:
+        _close(outs[method][0], outs["vmap"][0], rtol=1e-4, atol=1e-6)
+        _close(outs[method][1].norms, outs["vmap"][1].norms)

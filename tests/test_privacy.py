@@ -362,10 +362,13 @@ def test_large_leaves_draw_noise_in_blocks_with_the_right_distribution():
     scratch memory than the whole-leaf draw (the reason for the blocks)."""
     from pavejax.privacy import noise as N
 
-    shape = (4096, 64)                       # 262,144 values; blocks of 512 rows with the cap
+    shape = (8192, 256)                      # 2M values: 8 blocks of 1024 rows
     cap = 1 << 15
-    assert N._block_rows(shape, cap) == 512
+    rows = N._block_rows(shape, cap)
+    nb = shape[0] // rows
+    assert nb >= 2 and rows * 256 <= N.BLOCK_ELEMS
     assert N._block_rows((97, 1024), cap) is None        # prime rows: no block near the target
+    assert N._block_rows((64, 64), cap) is None          # under the cap: drawn whole
     x = N.gaussian_noise_like(jax.random.key(3), {"w": jnp.zeros(shape)}, 2.0,
                               max_draw_elems=cap)["w"]
     whole = N.gaussian_noise_like(jax.random.key(3), {"w": jnp.zeros(shape)}, 2.0,
@@ -373,9 +376,9 @@ def test_large_leaves_draw_noise_in_blocks_with_the_right_distribution():
     v = np.asarray(x, np.float64)
     assert abs(v.mean()) < 4 * 2.0 / math.sqrt(v.size)
     assert abs(v.std() - 2.0) < 0.01
-    blocks = v.reshape(8, 512 * 64)
+    blocks = v.reshape(nb, rows * 256)
     corr = np.corrcoef(blocks)
-    assert np.max(np.abs(corr - np.eye(8))) < 0.02
+    assert np.max(np.abs(corr - np.eye(nb))) < 0.02
     assert not np.allclose(v, np.asarray(whole))         # a different (blocked) draw
     small = N.gaussian_noise_like(jax.random.key(3), {"w": jnp.zeros((8, 8))}, 2.0,
                                   max_draw_elems=cap)["w"]

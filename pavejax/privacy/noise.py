@@ -46,11 +46,13 @@ def fresh_key() -> jax.Array:
     return jax.random.wrap_key_data(jnp.asarray(data), impl=jax.random.key_impl(jax.random.key(0)))
 
 
-#: Leaves with more elements than this draw their noise in blocks of leading-axis rows (see
-#: :func:`gaussian_noise_like`). 2**24 float32 values are 64 MiB. Below that, the whole-leaf
-#: draw's scratch (4x the leaf) rarely sets the step's peak: blocking MiniLM's 11.7M-value table
-#: raised the peak of its DP step by 30 MiB, blocking SmolLM2's 28M-value table lowered it.
-MAX_DRAW_ELEMS = 1 << 24
+#: Leaves with more elements than this draw their noise in blocks of leading-axis rows, one block
+#: after the other inside a loop (see :func:`gaussian_noise_like`). Whole-leaf draws cannot be
+#: sequenced: XLA materialises threefry's counters (2x the leaf) and words early, for every leaf
+#: at once (measured 817 MiB of scratch for SmolLM2's 106M non-embedding weights, 59 MiB blocked).
+MAX_DRAW_ELEMS = 1 << 16
+#: Values per block of a blocked draw (at least two blocks per blocked leaf).
+BLOCK_ELEMS = 1 << 18
 
 
 def _block_rows(shape: tuple[int, ...], max_elems: int) -> int | None:
@@ -59,7 +61,7 @@ def _block_rows(shape: tuple[int, ...], max_elems: int) -> int | None:
     if len(shape) < 1 or n <= max_elems or shape[0] < 2:
         return None
     per_row = n // shape[0]
-    target = max_elems // per_row
+    target = min(BLOCK_ELEMS, n // 2) // per_row
     if target < 1:
         return None
     r = max(d for d in range(1, min(target, shape[0]) + 1) if shape[0] % d == 0)
@@ -94,8 +96,8 @@ def gaussian_noise_like(key: jax.Array, tree: PyTree, stddev: float, *,
     (block j from ``fold_in(leaf key, j)``, about ``max_draw_elems`` values each, one after the
     other): the values are still independent N(0, stddev^2), and the draw needs one block of
     scratch memory instead of several arrays of the leaf's size (threefry's counters and output
-    words are not fused on CPU and GPU: measured 4x the leaf in XLA temp memory for a
-    49152 x 576 table, 0.75x blocked). ``None`` draws every leaf whole. Under a parameter
+    words are not fused on CPU and GPU: measured 324 MiB of XLA temp memory for a 49152 x 576
+    table drawn whole, 20 MiB blocked). ``None`` draws every leaf whole. Under a parameter
     sharding, a blocked leaf is drawn by a loop over row blocks that the partitioner may run on
     every device (the same values; the scratch stays one block); whole leaves are drawn
     shard by shard.
