@@ -85,7 +85,7 @@ BENCHMARKS: tuple[Bench, ...] = (
           (("full", (), 150.0), ("quick", ("--quick",), 60.0)),
           ("quick", ("--quick",), 30.0),
           ("lora_ratio", "full_ratio", "full_mem_ratio", "full_ghost_ratio",
-           "full_ghost_mem_ratio"),
+           "full_ghost_mem_ratio", "lm_full_ghost_ratio", "lm_full_ghost_mem_ratio"),
           smoke_optional=(("--settings", "lora"),)),
     Bench("vs_opacus",
           (("full", (), 240.0), ("reduced", ("--quick",), 120.0),

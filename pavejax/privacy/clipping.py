@@ -242,13 +242,18 @@ def _chunk_clipped_sum(loss_fn, trainable, frozen, batch, mask, cfg: ClipConfig)
         return _weighted_sum(trainable, clean, coefs, rows)
 
     total = jax.lax.cond(jnp.all(finite), fast, safe, grads)
-    stats = (
+    return total, chunk_stats(losses, norms, mask, keep, finite, scale)
+
+
+def chunk_stats(losses, norms, mask, keep, finite, scale):
+    """(losses of kept rows, norms of real rows, #clipped, #non-finite) of one chunk; the
+    statistics part of the chunk contract shared by the vmap and ghost paths."""
+    return (
         jnp.where(keep, losses, 0.0),
         jnp.where(mask, norms, 0.0),
         jnp.sum((keep & (scale < 1.0)).astype(jnp.int32)),
         jnp.sum((mask & ~finite).astype(jnp.int32)),
     )
-    return total, stats
 
 
 def _weighted_sum(trainable, grads, coefs, rows):

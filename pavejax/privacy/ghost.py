@@ -783,7 +783,7 @@ def ghost_chunk_clipped_sum(loss_fn, trainable, frozen, batch, mask, l2_clip, *,
                             two_pass: bool = False):
     """Ghost-clipped sum over one (micro)batch: ``(grad_sum, (losses, norms, nclip, nbad))``,
     the same contract as the materialised path of :func:`pavejax.privacy.clipped_sum`."""
-    from pavejax.privacy.clipping import clip_coefficients
+    from pavejax.privacy.clipping import chunk_stats, clip_coefficients
 
     plan = _plan_for(loss_fn, trainable, frozen, batch)
     leaves, treedef = jax.tree.flatten(trainable)
@@ -803,13 +803,7 @@ def ghost_chunk_clipped_sum(loss_fn, trainable, frozen, batch, mask, l2_clip, *,
         total = weighted_sum(plan, leaves, fr_leaves, _sanitise(keep, saved),
                              _sanitise(keep, grads), coef)
         total = jax.tree.unflatten(treedef, [t.astype(x.dtype) for t, x in zip(total, leaves)])
-    stats = (
-        jnp.where(keep, losses, 0.0),
-        jnp.where(mask, norms, 0.0),
-        jnp.sum((keep & (scale < 1.0)).astype(jnp.int32)),
-        jnp.sum((mask & ~finite).astype(jnp.int32)),
-    )
-    return total, stats
+    return total, chunk_stats(losses, norms, mask, keep, finite, scale)
 
 
 def _two_pass_sum(loss_fn, trainable, frozen, batch, coef, finite):
