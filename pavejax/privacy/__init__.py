@@ -6,7 +6,6 @@ checks (:func:`check_step`) and :class:`DPGradient` are thin wrappers around the
 
 from pavejax.privacy.autotune import (
     MicrobatchDoesNotFitError as MicrobatchDoesNotFitError,
-    auto_microbatch_size as auto_microbatch_size,
     clear_autotune_cache as clear_autotune_cache,
     compiled_temp_bytes as compiled_temp_bytes,
     default_memory_budget as default_memory_budget,
@@ -33,6 +32,7 @@ from pavejax.privacy.gradient import (
     DPConfig as DPConfig,
     DPGradient as DPGradient,
     StepInfo as StepInfo,
+    auto_microbatch_size as auto_microbatch_size,
     noisy_gradient as noisy_gradient,
     private_gradient as private_gradient,
 )

@@ -2,7 +2,8 @@
 
 :func:`~pavejax.privacy.clipped_sum` materialises ``microbatch_size`` per-example gradients at
 once (``lax.scan`` over chunks), so the chunk size trades memory for speed and never changes the
-result. :func:`auto_microbatch_size` picks the largest chunk whose *compiled* step fits a memory
+result. :func:`pavejax.privacy.auto_microbatch_size` (defined in :mod:`pavejax.privacy.gradient`,
+which imports this module) picks the largest chunk whose *compiled* step fits a memory
 budget: it lowers and compiles the step for candidate sizes on abstract shapes (nothing runs, no
 real arrays are needed) and reads XLA's ``temp_size_in_bytes`` (:func:`compiled_temp_bytes`).
 
@@ -25,7 +26,6 @@ so repeated calls with the same shapes compile nothing.
 
 from __future__ import annotations
 
-import functools
 import logging
 import math
 from collections.abc import Callable
@@ -36,8 +36,10 @@ import numpy as np
 
 PyTree = Any
 
-__all__ = ["MicrobatchDoesNotFitError", "auto_microbatch_size", "clear_autotune_cache",
-           "compiled_temp_bytes", "default_memory_budget"]
+# The searches over pavejax's own steps (``auto_microbatch_size`` and DPGradient's "auto") live
+# in pavejax.privacy.gradient, which imports this module (never the other way round).
+__all__ = ["MicrobatchDoesNotFitError", "clear_autotune_cache", "compiled_temp_bytes",
+           "default_memory_budget", "search_microbatch_size"]
 
 _log = logging.getLogger(__name__)
 _CACHE: dict = {}
@@ -200,70 +202,10 @@ def _local_batch(batch_size: int, mesh) -> int:
     return batch_size // n
 
 
-def auto_microbatch_size(loss_fn, trainable: PyTree, frozen: PyTree, batch: PyTree,
-                         mask: jax.Array | None, config, *,
-                         memory_budget_bytes: int | None = None, budget_fraction: float = 0.8,
-                         mesh: jax.sharding.Mesh | None = None, key: Any = None) -> int:
-    """The largest microbatch size whose compiled :func:`~pavejax.privacy.noisy_gradient` step
-    needs at most the budget of temporary memory (compiled on abstract shapes, never run).
-
-    Args:
-      loss_fn, trainable, frozen, batch, mask, config, mesh: as for ``noisy_gradient``; the
-        arrays may be ``jax.ShapeDtypeStruct`` (only shapes, dtypes and shardings are used).
-      memory_budget_bytes: XLA temporary bytes the step may use (per device). Default:
-        :func:`default_memory_budget` of the arguments (``budget_fraction`` of the device's
-        ``bytes_limit`` minus the argument bytes); required on CPU, which reports no limit.
-      budget_fraction: the fraction of the device memory used for the default budget.
-      key: the noise key or its ``ShapeDtypeStruct`` (default: a typed ``jax.random.key``).
-
-    Returns:
-      A divisor of the batch size (of the per-device batch with ``mesh``); the batch size itself
-      means no microbatching (equivalent to ``microbatch_size=None``).
-
-    Raises:
-      MicrobatchDoesNotFitError (a ``ValueError``): even microbatch 1 exceeds the budget (the
-        message says how many bytes it needs). ``ValueError``: no budget given on a backend
-        without ``memory_stats``. ``RuntimeError``: the backend gives no memory analysis.
-    """
-    from pavejax.privacy.gradient import noisy_gradient
-
-    if key is None:
-        key = jax.eval_shape(lambda: jax.random.key(0))
-    args = _abstract((trainable, frozen, batch, mask, key))
-    budget = (_check_budget(memory_budget_bytes) if memory_budget_bytes is not None
-              else default_memory_budget(*args, budget_fraction=budget_fraction, mesh=mesh))
-    bsz = jax.tree.leaves(args[2])[0].shape[0]
-    local = _local_batch(bsz, mesh)
-
-    def make_step(mb):
-        return functools.partial(noisy_gradient, loss_fn, config=config, mesh=mesh,
-                                 microbatch_size=mb)
-
-    cache_key = _hashable(("noisy_gradient", loss_fn, config, mesh, budget, _signature(args)))
-    return _search(make_step, args, local, budget, cache_key)
-
-
-def dp_gradient_microbatch_size(dp, trainable: PyTree, frozen: PyTree, data: PyTree,
-                                key: jax.Array) -> int:
-    """The size ``DPGradient(..., microbatch_size="auto")`` uses: the search above on the step it
-    actually runs (:func:`~pavejax.privacy.private_gradient`, sampling included), for the padded
-    batch the config samples; the default budget subtracts the whole data set's bytes."""
-    from pavejax.privacy.gradient import private_gradient
-    from pavejax.privacy.sampling import pad_batch
-
-    config, mesh = dp.config, dp.mesh
-    args = _abstract((trainable, frozen, data, key))
-    budget = (_check_budget(dp.memory_budget_bytes) if dp.memory_budget_bytes is not None
-              else default_memory_budget(*args, budget_fraction=dp.budget_fraction, mesh=mesh))
-    multiple = mesh.size if mesh is not None else 1
-    mask = jax.eval_shape(lambda k: pad_batch(None, config.sampling.sample(k).mask, multiple)[1],
-                          args[3])
-    local = _local_batch(mask.shape[0], mesh)
-
-    def make_step(mb):
-        return functools.partial(private_gradient, dp.loss_fn, config=config, mesh=mesh,
-                                 microbatch_size=mb)
-
-    cache_key = _hashable(("private_gradient", dp.loss_fn, config, mesh, budget,
-                           _signature(args)))
-    return _search(make_step, args, local, budget, cache_key)
+def search_microbatch_size(make_step: Callable[[int | None], Callable], args: tuple,
+                           batch_size: int, budget: int, cache_key, mesh=None) -> int:
+    """The largest divisor of the (per-device) batch whose compiled ``make_step(mb)(*args)``
+    needs at most ``budget`` bytes of XLA temp memory (the search behind
+    :func:`pavejax.privacy.auto_microbatch_size`); cached under ``cache_key``."""
+    return _search(make_step, args, _local_batch(batch_size, mesh), budget,
+                   _hashable(cache_key))

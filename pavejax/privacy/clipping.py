@@ -209,10 +209,16 @@ def _chunk_clipped_sum(loss_fn, trainable, frozen, batch, mask, cfg: ClipConfig)
     ``cfg.method`` other than ``"vmap"`` goes to :mod:`pavejax.privacy.ghost` (same contract).
     """
     if cfg.method != "vmap":
-        from pavejax.privacy.ghost import ghost_chunk_clipped_sum
+        from pavejax.privacy.ghost import ghost_pass
 
-        return ghost_chunk_clipped_sum(loss_fn, trainable, frozen, batch, mask, cfg.l2_clip,
-                                       two_pass=cfg.method == "ghost_two_pass")
+        g = ghost_pass(loss_fn, trainable, frozen, batch,
+                       two_pass=cfg.method == "ghost_two_pass")
+        finite = jnp.isfinite(g.norms) & jnp.isfinite(g.losses)
+        keep = mask & finite
+        coef = jnp.where(keep, clip_coefficients(g.norms, cfg.l2_clip), 0.0)
+        scale = jnp.where(keep, clip_coefficients(g.norms, cfg.l2_clip), 1.0)
+        total = g.clipped_sum(coef, keep)
+        return total, chunk_stats(g.losses, g.norms, mask, keep, finite, scale)
 
     def one(example):
         small, ex, rows = _with_sparse(trainable, example, cfg.sparse_rows)

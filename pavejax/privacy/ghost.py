@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -779,12 +779,23 @@ def _sanitise(keep, tree):
     return jax.tree.map(one, tree, is_leaf=lambda v: v is None)
 
 
-def ghost_chunk_clipped_sum(loss_fn, trainable, frozen, batch, mask, l2_clip, *,
-                            two_pass: bool = False):
-    """Ghost-clipped sum over one (micro)batch: ``(grad_sum, (losses, norms, nclip, nbad))``,
-    the same contract as the materialised path of :func:`pavejax.privacy.clipped_sum`."""
-    from pavejax.privacy.clipping import chunk_stats, clip_coefficients
+class GhostPass(NamedTuple):
+    """One forward and one backward-to-activations pass over a (micro)batch.
 
+    losses: (B,) per-example losses (float32). norms: (B,) joint per-example gradient norms.
+    clipped_sum: ``clipped_sum(coef, keep)`` -> ``Σ_i coef_i ∇loss_i`` (pytree like
+    ``trainable``); rows with ``keep`` False must have ``coef`` 0 and are zeroed first.
+    """
+
+    losses: jax.Array
+    norms: jax.Array
+    clipped_sum: Any
+
+
+def ghost_pass(loss_fn, trainable, frozen, batch, *, two_pass: bool = False) -> GhostPass:
+    """The ghost norms of one (micro)batch and the function that forms the clipped sum from
+    the clip coefficients (book-keeping, or a second pass with ``two_pass``). The clipping
+    rule itself lives in :mod:`pavejax.privacy.clipping`."""
     plan = _plan_for(loss_fn, trainable, frozen, batch)
     leaves, treedef = jax.tree.flatten(trainable)
     fr_leaves = jax.tree.leaves(frozen)
@@ -793,17 +804,16 @@ def ghost_chunk_clipped_sum(loss_fn, trainable, frozen, batch, mask, l2_clip, *,
     sq = per_leaf_sq_norms(plan, leaves, penv, saved, grads)
     norms = jnp.sqrt(sum(sq[1:], sq[0])) if sq else jnp.zeros_like(losses, jnp.float32)
     losses = losses.astype(jnp.float32)
-    finite = jnp.isfinite(norms) & jnp.isfinite(losses)
-    keep = mask & finite
-    coef = jnp.where(keep, clip_coefficients(norms, l2_clip), 0.0)
-    scale = jnp.where(keep, clip_coefficients(norms, l2_clip), 1.0)
-    if two_pass:
-        total = _two_pass_sum(loss_fn, trainable, frozen, batch, coef, finite)
-    else:
+
+    def clipped(coef, keep):
+        if two_pass:
+            finite = jnp.isfinite(norms) & jnp.isfinite(losses)
+            return _two_pass_sum(loss_fn, trainable, frozen, batch, coef, finite)
         total = weighted_sum(plan, leaves, fr_leaves, _sanitise(keep, saved),
                              _sanitise(keep, grads), coef)
-        total = jax.tree.unflatten(treedef, [t.astype(x.dtype) for t, x in zip(total, leaves)])
-    return total, chunk_stats(losses, norms, mask, keep, finite, scale)
+        return jax.tree.unflatten(treedef, [t.astype(x.dtype) for t, x in zip(total, leaves)])
+
+    return GhostPass(losses, norms, clipped)
 
 
 def _two_pass_sum(loss_fn, trainable, frozen, batch, coef, finite):

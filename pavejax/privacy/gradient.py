@@ -32,6 +32,7 @@ from typing import Any, NamedTuple
 import jax
 import optax
 
+from pavejax.privacy import autotune as _at
 from pavejax.privacy.checks import check_step
 from pavejax.privacy.clipping import ClipConfig, LossFn, check_microbatch_size, clipped_sum
 from pavejax.privacy.noise import gaussian_privatizer, privatize_sum
@@ -223,9 +224,69 @@ class DPGradient:
         """
         self.check_data(data)
         if self._core is None:
-            from pavejax.privacy.autotune import dp_gradient_microbatch_size
-
-            self._bind(dp_gradient_microbatch_size(self, trainable, frozen, data, key))
+            self._bind(_dp_gradient_microbatch_size(self, trainable, frozen, data, key))
         grad, info = self._core(trainable, frozen, data, key)
         check_step(info)
         return grad, info, self.config.step_event()
+
+
+def auto_microbatch_size(loss_fn, trainable: PyTree, frozen: PyTree, batch: PyTree,
+                         mask: jax.Array | None, config, *,
+                         memory_budget_bytes: int | None = None, budget_fraction: float = 0.8,
+                         mesh: jax.sharding.Mesh | None = None, key: Any = None) -> int:
+    """The largest microbatch size whose compiled :func:`~pavejax.privacy.noisy_gradient` step
+    needs at most the budget of temporary memory (compiled on abstract shapes, never run).
+
+    Args:
+      loss_fn, trainable, frozen, batch, mask, config, mesh: as for ``noisy_gradient``; the
+        arrays may be ``jax.ShapeDtypeStruct`` (only shapes, dtypes and shardings are used).
+      memory_budget_bytes: XLA temporary bytes the step may use (per device). Default:
+        :func:`~pavejax.privacy.autotune.default_memory_budget` of the arguments
+        (``budget_fraction`` of the device's ``bytes_limit`` minus the argument bytes);
+        required on CPU, which reports no limit.
+      budget_fraction: the fraction of the device memory used for the default budget.
+      key: the noise key or its ``ShapeDtypeStruct`` (default: a typed ``jax.random.key``).
+
+    Returns:
+      A divisor of the batch size (of the per-device batch with ``mesh``); the batch size itself
+      means no microbatching (equivalent to ``microbatch_size=None``).
+
+    Raises:
+      MicrobatchDoesNotFitError (a ``ValueError``): even microbatch 1 exceeds the budget (the
+        message says how many bytes it needs). ``ValueError``: no budget given on a backend
+        without ``memory_stats``. ``RuntimeError``: the backend gives no memory analysis.
+    """
+    if key is None:
+        key = jax.eval_shape(lambda: jax.random.key(0))
+    args = _at._abstract((trainable, frozen, batch, mask, key))
+    budget = (_at._check_budget(memory_budget_bytes) if memory_budget_bytes is not None
+              else _at.default_memory_budget(*args, budget_fraction=budget_fraction, mesh=mesh))
+    bsz = jax.tree.leaves(args[2])[0].shape[0]
+
+    def make_step(mb):
+        return functools.partial(noisy_gradient, loss_fn, config=config, mesh=mesh,
+                                 microbatch_size=mb)
+
+    cache_key = ("noisy_gradient", loss_fn, config, mesh, budget, _at._signature(args))
+    return _at.search_microbatch_size(make_step, args, bsz, budget, cache_key, mesh)
+
+
+def _dp_gradient_microbatch_size(dp, trainable: PyTree, frozen: PyTree, data: PyTree,
+                                key: jax.Array) -> int:
+    """The size ``DPGradient(..., microbatch_size="auto")`` uses: the search above on the step it
+    actually runs (:func:`~pavejax.privacy.private_gradient`, sampling included), for the padded
+    batch the config samples; the default budget subtracts the whole data set's bytes."""
+    config, mesh = dp.config, dp.mesh
+    args = _at._abstract((trainable, frozen, data, key))
+    budget = (_at._check_budget(dp.memory_budget_bytes) if dp.memory_budget_bytes is not None
+              else _at.default_memory_budget(*args, budget_fraction=dp.budget_fraction, mesh=mesh))
+    multiple = mesh.size if mesh is not None else 1
+    mask = jax.eval_shape(lambda k: pad_batch(None, config.sampling.sample(k).mask, multiple)[1],
+                          args[3])
+
+    def make_step(mb):
+        return functools.partial(private_gradient, dp.loss_fn, config=config, mesh=mesh,
+                                 microbatch_size=mb)
+
+    cache_key = ("private_gradient", dp.loss_fn, config, mesh, budget, _at._signature(args))
+    return _at.search_microbatch_size(make_step, args, mask.shape[0], budget, cache_key, mesh)
