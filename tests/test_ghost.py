@@ -100,6 +100,37 @@ def test_parity_small_network_with_padding_and_tight_clip():
     assert float(ref.norms[2]) == 0.0
 
 
+def _max_contribution(loss_fn, params, batch, clip, method="ghost"):
+    """max_i ||clipped sum of the batch with only row i kept||: the per-example sensitivity
+    that the clip norm must bound (an empirical audit of the norm computation)."""
+    cfg = ClipConfig(clip, method=method)
+    fn = jax.jit(lambda p, b, m: clipped_sum(loss_fn, p, None, b, m, cfg).grad_sum)
+    bsz = jax.tree.leaves(batch)[0].shape[0]
+    worst = 0.0
+    for i in range(bsz):
+        g = fn(params, batch, jnp.arange(bsz) == i)
+        worst = max(worst, float(jnp.sqrt(sum(jnp.sum(x * x) for x in jax.tree.leaves(g)))))
+    return worst
+
+
+def test_audit_each_example_is_bounded_by_the_clip_norm_and_broken_rules_are_caught(
+        monkeypatch):
+    """Every example's contribution to the ghost-clipped sum has norm <= C (the sensitivity
+    the accountant is told). A ghost rule that under-counts a leaf's norm (biases and scales
+    dropped, or the embedding table dropped) lets contributions exceed C: the audit flags it."""
+    clip = 0.05
+    params, batch = _mlp(), _mlp_batch()
+    assert _max_contribution(_mlp_loss, params, batch, clip) <= clip * (1 + 1e-5)
+    with monkeypatch.context() as m:
+        m.setattr(ghost, "_ew_norms", lambda plan, rule, saved, grads: jnp.zeros(
+            grads[rule[1]][0].shape[0], jnp.float32))
+        assert _max_contribution(_mlp_loss, params, batch, clip) > clip * 1.05
+    with monkeypatch.context() as m:
+        m.setattr(ghost, "_embed_norms", lambda node, rows, ids, g: jnp.zeros(
+            g.shape[0], jnp.float32))
+        assert _max_contribution(_mlp_loss, params, batch, clip) > clip * 1.05
+
+
 def test_parity_with_microbatches():
     _check_parity(_mlp_loss, _mlp(), None, _mlp_batch(), None, 0.05, microbatch_size=4)
 

@@ -376,9 +376,18 @@ def test_large_leaves_draw_noise_in_blocks_with_the_right_distribution():
     v = np.asarray(x, np.float64)
     assert abs(v.mean()) < 4 * 2.0 / math.sqrt(v.size)
     assert abs(v.std() - 2.0) < 0.01
-    blocks = v.reshape(nb, rows * 256)
-    corr = np.corrcoef(blocks)
-    assert np.max(np.abs(corr - np.eye(nb))) < 0.02
+
+    def max_block_corr(values):
+        return np.max(np.abs(np.corrcoef(values.reshape(nb, rows * 256)) - np.eye(nb)))
+
+    assert max_block_corr(v) < 0.02
+    # The audit catches a broken blocked draw: every block from the same key (the noise of one
+    # block repeated, i.e. far less independent noise than accounted for).
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(jax.random, "fold_in", lambda k, i: k)
+        broken = N.gaussian_noise_like(jax.random.key(3), {"w": jnp.zeros(shape)}, 2.0,
+                                       max_draw_elems=cap)["w"]
+    assert max_block_corr(np.asarray(broken, np.float64)) > 0.99
     assert not np.allclose(v, np.asarray(whole))         # a different (blocked) draw
     small = N.gaussian_noise_like(jax.random.key(3), {"w": jnp.zeros((8, 8))}, 2.0,
                                   max_draw_elems=cap)["w"]
