@@ -51,9 +51,8 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from pavejax.privacy.clipping import ClipResult, LossFn, check_microbatch_size, clipped_sum
-from pavejax.privacy.gradient import StepInfo
+from pavejax.privacy.gradient import StepInfo, sample_padded
 from pavejax.privacy.noise import privatize_sum
-from pavejax.privacy.sampling import pad_batch, take_batch
 
 PyTree = Any
 
@@ -273,11 +272,8 @@ def sharded_private_gradient(loss_fn: LossFn, trainable: PyTree, frozen: PyTree,
     (:func:`~pavejax.privacy.check_step`) before using the gradient.
     """
     _check_mesh(mesh, data_axis, model_axis)
-    k_sample, k_noise = jax.random.split(key)
-    draw = config.sampling.sample(k_sample)
-    batch = take_batch(data, draw.indices)
     multiple = mesh.shape[data_axis] * (check_microbatch_size(microbatch_size) or 1)
-    batch, mask = pad_batch(batch, draw.mask, multiple)
+    batch, mask, draw, k_noise = sample_padded(data, key, config, multiple)
     grad, info = sharded_noisy_gradient(loss_fn, trainable, frozen, batch, mask, k_noise, config,
                                         mesh, microbatch_size=microbatch_size,
                                         param_specs=param_specs,

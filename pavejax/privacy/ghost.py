@@ -703,7 +703,7 @@ def _materialised_sq_norms(plan, leaves, penv, saved, grads, mat):
     sub_saved = {ni: saved[ni] for ni in nodes}
     sub_grads = {ni: grads[ni] for ni in nodes}
     per_ex = jax.vmap(jax.grad(q), in_axes=(None, 0, 0))(mat_leaves, sub_saved, sub_grads)
-    return [jnp.sum(jnp.square(g.astype(jnp.float32)).reshape(g.shape[0], -1), axis=1)
+    return [jnp.sum(jnp.square(g.astype(jnp.float32)), axis=tuple(range(1, g.ndim)))
             for g in per_ex]
 
 

@@ -146,6 +146,16 @@ def noisy_gradient(loss_fn: LossFn, trainable: PyTree, frozen: PyTree, batch: Py
     return grad, StepInfo(r.losses, r.norms, mask, r.num_clipped, r.num_nonfinite)
 
 
+def sample_padded(data: PyTree, key: jax.Array, config: DPConfig, multiple: int):
+    """The batch a private step releases from: ``key`` split into the sampling and noise keys,
+    the config's draw taken from ``data`` and padded (masked) to a multiple of ``multiple``.
+    Returns ``(batch, mask, draw, noise_key)``."""
+    k_sample, k_noise = jax.random.split(key)
+    draw = config.sampling.sample(k_sample)
+    batch, mask = pad_batch(take_batch(data, draw.indices), draw.mask, multiple)
+    return batch, mask, draw, k_noise
+
+
 def private_gradient(loss_fn: LossFn, trainable: PyTree, frozen: PyTree, data: PyTree,
                      key: jax.Array, config: DPConfig, mesh: jax.sharding.Mesh | None = None, *,
                      microbatch_size: int | None = None,
@@ -155,11 +165,8 @@ def private_gradient(loss_fn: LossFn, trainable: PyTree, frozen: PyTree, data: P
     ``overflow`` and ``num_nonfinite`` flags the caller must check before using the gradient
     (:func:`~pavejax.privacy.check_step`). ``key`` is split into the sampling and noise keys.
     """
-    k_sample, k_noise = jax.random.split(key)
-    draw = config.sampling.sample(k_sample)
-    batch = take_batch(data, draw.indices)
     multiple = math.lcm(mesh.size if mesh is not None else 1, microbatch_size or 1)
-    batch, mask = pad_batch(batch, draw.mask, multiple)
+    batch, mask, draw, k_noise = sample_padded(data, key, config, multiple)
     grad, info = noisy_gradient(loss_fn, trainable, frozen, batch, mask, k_noise, config, mesh,
                                 microbatch_size=microbatch_size,
                                 noise_multiplier=noise_multiplier)
