@@ -23,7 +23,8 @@ loss and the same update. Both are jitted whole and timed alternately (medians).
 temp allocation of each compiled step. Summary keys: ``<setting>_ratio`` (time, DP / non-DP) and
 ``<setting>_mem_ratio`` (XLA temp memory, DP / non-DP) for each setting run: ``lora``, ``full``,
 ``full_ghost``, ``full_ghost_two_pass``, ``lm_full_ghost``. ``--settings`` picks a subset;
-``--quick`` runs MiniLM at 8 x 32 and SmolLM2 at 2 x 16 with fewer repeats.
+``--quick`` runs MiniLM at 8 x 32 and SmolLM2 at 2 x 16 with fewer repeats;
+``--ghost-microbatch N`` runs the ghost settings in microbatches of N (less memory).
 
 The DP step's time includes drawing the noise (threefry, 22.7M values for full MiniLM: about
 0.25 s of the 1.2 s step on 2 CPU cores), which no clipping method avoids.
@@ -146,7 +147,8 @@ def _temp_bytes(step, *args) -> int:
     return int(step.lower(*args).compile().memory_analysis().temp_size_in_bytes)
 
 
-def measure(setting, graphdef, params, data, *, rank, repeats, microbatch):
+def measure(setting, graphdef, params, data, *, rank, repeats, microbatch,
+            ghost_microbatch=None):
     """One row: ``lora``, ``full`` (vmap path, microbatched), ``full_ghost`` and
     ``full_ghost_two_pass`` on MiniLM; ``lm_full_ghost`` on SmolLM2 (``graphdef`` is then the
     LM split and ``params`` its (trainable, frozen))."""
@@ -163,9 +165,9 @@ def measure(setting, graphdef, params, data, *, rank, repeats, microbatch):
     method = "vmap"
     if "ghost" in setting:
         method = "ghost_two_pass" if setting.endswith("two_pass") else "ghost"
+    mb = microbatch if setting == "full" else (ghost_microbatch if "ghost" in setting else None)
     opt, private_step, plain_step = _make_steps(
-        losses, 1.0, 1.0, batch, microbatch if setting == "full" else None,
-        sparse=setting == "full", method=method)
+        losses, 1.0, 1.0, batch, mb, sparse=setting == "full", method=method)
     key = jax.random.key(0)
     mem = {
         "private": _temp_bytes(private_step, trainable, opt.init(trainable), frozen, data, key),
@@ -185,7 +187,8 @@ def measure(setting, graphdef, params, data, *, rank, repeats, microbatch):
         repeats=repeats, warmup=1)
     n_train = sum(x.size for x in jax.tree.leaves(trainable))
     return {
-        "setting": setting, "method": method, "trainable_params": int(n_train),
+        "setting": setting, "method": method, "microbatch": mb,
+        "trainable_params": int(n_train),
         "batch": int(batch), "seq_len": int(data["input_ids"].shape[1]),
         "plain_step_s": times["plain"], "private_step_s": times["private"],
         "time_ratio": times["private"] / times["plain"],
@@ -221,6 +224,9 @@ def main(argv=None):
         p.add_argument("--microbatch", type=int, default=None,
                        help="microbatch size for the full fine-tuning vmap private step "
                             "(default: batch/2 in full mode, none in quick mode)")
+        p.add_argument("--ghost-microbatch", type=int, default=None,
+                       help="microbatch size for the ghost settings (default: none, the "
+                            "whole batch in one book-keeping pass)")
         p.add_argument("--settings", default=",".join(SETTINGS),
                        help=f"comma-separated subset of {','.join(SETTINGS)}")
         p.add_argument("--lm-batch", type=int, default=None,
@@ -239,12 +245,14 @@ def main(argv=None):
     if any(not s.startswith("lm_") for s in settings):
         graphdef, params, data = _setup(batch, seq)
         rows += [measure(s, graphdef, params, data, rank=8, repeats=repeats,
-                         microbatch=microbatch) for s in settings if not s.startswith("lm_")]
+                         microbatch=microbatch, ghost_microbatch=args.ghost_microbatch)
+                 for s in settings if not s.startswith("lm_")]
         del params, data
     if "lm_full_ghost" in settings:
         split, parts, lm_data = _lm_setup(lm_batch, lm_seq)
         rows.append(measure("lm_full_ghost", split, parts, lm_data, rank=8,
-                            repeats=max(2, repeats // 2), microbatch=None))
+                            repeats=max(2, repeats // 2), microbatch=None,
+                            ghost_microbatch=args.ghost_microbatch))
     by = {r["setting"]: r for r in rows}
     summary = {}
     for name, key in (("lora", "lora"), ("full", "full"), ("full_ghost", "full_ghost"),
@@ -255,7 +263,8 @@ def main(argv=None):
             summary[f"{key}_mem_ratio"] = by[name]["mem_ratio"]
     config = {"model": "all-MiniLM-L6-v2", "batch": batch, "seq_len": seq, "lora_rank": 8,
               "lora_targets": ["query", "value"], "l2_clip": 1.0, "noise_multiplier": 1.0,
-              "repeats": repeats, "full_microbatch": microbatch, "quick": args.quick,
+              "repeats": repeats, "full_microbatch": microbatch,
+              "ghost_microbatch": args.ghost_microbatch, "quick": args.quick,
               "settings": settings, "lm_model": "SmolLM2-135M-Instruct (every weight trained)",
               "lm_batch": lm_batch, "lm_seq_len": lm_seq}
     return _common.emit("dp_overhead", config, rows, summary, args.out)

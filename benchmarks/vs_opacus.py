@@ -102,8 +102,10 @@ class Config:
     microbatch_lora: int | None = 4
     # How pavejax computes per-example norms and the clipped sum (pavejax.privacy.ClipConfig
     # method): full fine-tuning uses ghost clipping with book-keeping (one backward pass, no
-    # per-example gradients) in microbatches of 8 (measured on MiniLM, batch 32 x 64: XLA temp
-    # 714 / 423 / 269 MiB and DP step 1.47 / 1.43 / 1.54 s for the whole batch / 16 / 8).
+    # per-example gradients) in microbatches of 8: XLA temp of the DP step on MiniLM, batch
+    # 32 x 64, 714 / 423 / 269 MiB for the whole batch / 16 / 8, at DP / non-DP time 1.26 /
+    # 1.24 / 1.22 (`python benchmarks/dp_overhead.py --settings full_ghost
+    # [--ghost-microbatch 16|8]`).
     method_full: str = "ghost"
     method_lora: str = "vmap"
     seed: int = 0
