@@ -1,5 +1,5 @@
-"""Storage plumbing of the dock: SQLite index connection and transactions, Orbax tensor dirs,
-fsync, and a JSON record of a params pytree's structure.
+"""Storage plumbing of the dock: index rows, Orbax tensor dirs, fsync, and a JSON record of a
+params pytree's structure (the index database itself is :mod:`pavejax.pave._index_db`).
 
 Model params are saved as a flat Orbax tree of NumPy leaves; the nesting (dicts with str or int
 keys, lists, tuples, None) is recorded as JSON so that ``load`` gives back the submitted
@@ -9,12 +9,10 @@ stored as their ``jax.tree.leaves`` and need a ``like`` pytree to be restored.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import json
 import os
-import sqlite3
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -26,17 +24,8 @@ import orbax.checkpoint as ocp
 
 from pavejax.spec_types import PaveSpec
 
-BUSY_TIMEOUT_MS = 120_000
-SCHEMA = """
-CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
-CREATE TABLE IF NOT EXISTS learnwares (
-    id INTEGER PRIMARY KEY AUTOINCREMENT, name TEXT NOT NULL UNIQUE, metadata TEXT NOT NULL,
-    backbone_id TEXT NOT NULL, backbone_hash TEXT NOT NULL, rank INTEGER NOT NULL,
-    layers TEXT NOT NULL, a_hash TEXT NOT NULL, spec_info TEXT NOT NULL, ledger_summary TEXT,
-    model_structure TEXT, created REAL NOT NULL);
-"""
 COLUMNS = ("id, name, metadata, backbone_id, backbone_hash, rank, layers, a_hash, spec_info, "
-           "ledger_summary, model_structure, created")
+           "ledger_summary, model_structure, created, submitter, version, files")
 _SCALARS = (bool, int, float, np.generic, np.ndarray, jax.Array)
 
 
@@ -57,13 +46,17 @@ class DockEntry:
     has_model: bool
     created: float  # Unix time, seconds
     spec: PaveSpec | None = None
+    submitter: str | None = None  # the account that submitted it over HTTP; None: locally
+    version: int = 0  # the dock generation it was added at
+    files: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # stored release archives
 
 
 def entry_from_row(r: tuple) -> DockEntry:
     """A :class:`DockEntry` from a row selected as :data:`COLUMNS`."""
     return DockEntry(int(r[0]), r[1], json.loads(r[2]), r[3], r[4], int(r[5]),
                      tuple(json.loads(r[6])), r[7], json.loads(r[8]), json.loads(r[9]),
-                     r[10] is not None, float(r[11]))
+                     r[10] is not None, float(r[11]), submitter=r[12], version=int(r[13]),
+                     files=json.loads(r[14]) if r[14] else {})
 
 
 def ledger_summary(info: Mapping[str, Any]) -> Any:
@@ -74,27 +67,6 @@ def ledger_summary(info: Mapping[str, Any]) -> Any:
     if "guarantee" in info:
         return {"mechanism": info.get("mechanism"), **dict(info["guarantee"])}
     return info.get("ledger")
-
-
-def connect(db: Path) -> sqlite3.Connection:
-    """Autocommit connection (transactions are explicit) in WAL mode, waiting on locks."""
-    conn = sqlite3.connect(db, isolation_level=None, timeout=BUSY_TIMEOUT_MS / 1000)
-    conn.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
-    conn.execute("PRAGMA journal_mode = WAL")
-    conn.execute("PRAGMA synchronous = FULL")
-    return conn
-
-
-@contextlib.contextmanager
-def transaction(conn: sqlite3.Connection, begin: str = "BEGIN IMMEDIATE"):
-    """``BEGIN IMMEDIATE`` (the write lock) ... ``COMMIT``; ``ROLLBACK`` on any exception."""
-    conn.execute(begin)
-    try:
-        yield
-    except BaseException:
-        conn.execute("ROLLBACK")
-        raise
-    conn.execute("COMMIT")
 
 
 def to_json(obj: Any, what: str) -> str:

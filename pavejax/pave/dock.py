@@ -2,9 +2,15 @@
 
 Layout of a dock directory::
 
-    index.sqlite        SQLite index (WAL): one row per learnware, the dock's SpecSignature
+    index.sqlite        SQLite index (WAL): one row per learnware, the dock's SpecSignature,
+                        accounts (token hashes) and the log of withdrawals
+    index.json          instead of index.sqlite: {"database": "postgresql://..."}, the
+                        PostgreSQL database holding the index (same schema, same migrations;
+                        several machines or server processes share one dock this way)
     tensors/<id>/spec   Orbax checkpoint of the spec vector
     tensors/<id>/model  Orbax checkpoint of the model params (optional)
+    tensors/<id>/files/ the submitted spec and model releases as archives (optional; what an
+                        HTTP dock serves for download, byte for byte)
     secret/a_key        256-bit random seed of the dock's A key (mode 0600)
     subspace/           the public coordinate subspace U, if the dock has one
                         (:mod:`pavejax.pave.subspace`; its hash is in the index and in every
@@ -24,18 +30,20 @@ inserts the row, writes the tensors to a temporary dir, fsyncs them, renames the
 row (rolled back by SQLite) and at most an orphan dir; every open garbage-collects dirs without
 a committed row under the same lock, so it never touches a live submit. Concurrent submits from
 several processes serialise on the lock (``busy_timeout``) and get distinct ids; names are
-unique (SQLite UNIQUE constraint).
+unique (UNIQUE constraint). On PostgreSQL the write lock is a transaction-scoped advisory lock
+(:mod:`pavejax.pave._index_db`), with the same guarantees between processes on several machines
+sharing the dock directory.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
+import hmac
 import json
 import os
 import secrets
 import shutil
-import sqlite3
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
@@ -46,12 +54,11 @@ import jax
 import numpy as np
 
 from pavejax._releasable import check_record, check_replace_one, check_tensor_names
-from pavejax.pave import search as search_lib
+from pavejax.pave import _index_db as idb
+from pavejax.pave._archive import file_sha256
 from pavejax.pave._dock_io import (
     COLUMNS,
-    SCHEMA,
     DockEntry,
-    connect,
     entry_from_row,
     fsync_tree,
     ledger_summary,
@@ -60,19 +67,22 @@ from pavejax.pave._dock_io import (
     model_to_tree,
     save_tree,
     to_json,
-    transaction,
 )
+from pavejax.pave._index_db import transaction
+from pavejax.pave._ranking import SpecTable, check_query, rank_with_ties
 from pavejax.pave.search import SCORE_TEMPERATURE, SearchResult, scores_from_cosines
 from pavejax.pave.subspace import Subspace
 from pavejax.spec_types import PaveSpec, SpecMismatchError, SpecSignature
 
 if TYPE_CHECKING:
+    from pavejax.pave.remote import RemoteDock
     from pavejax.pave.reuse import Reused
 
 __all__ = ["SCORE_TEMPERATURE", "Dock", "DockEntry", "DockError", "SearchResult",
            "scores_from_cosines"]
 
-FORMAT, VERSION = "pavejax-dock", 1
+FORMAT, VERSION = "pavejax-dock", idb.SCHEMA_VERSION
+_TOKEN_PREFIX = "pvj_"
 _KEY_DOMAIN = b"pavejax/dock-a-key/v1"
 # Test-only pause points inside submit (stage name -> callable); empty in normal use.
 _HOOKS: dict[str, Callable[[], None]] = {}
@@ -85,33 +95,35 @@ class DockError(ValueError):
 class Dock:
     """A learnware dock at ``path``. Build with :meth:`create` or :meth:`open`."""
 
-    def __init__(self, path: Path, conn: sqlite3.Connection) -> None:
+    def __init__(self, path: Path, conn: Any) -> None:
         self.path, self._conn = path, conn
         self._cache_generation: str | None = None
-        self._vectors: dict[int, np.ndarray] = {}
-        self._stds: dict[int, float] = {}
-        self._ids: list[int] = []
-        self._names: list[str] = []
-        self._indexes: dict[tuple, search_lib.CosineIndex] = {}
+        self._table = SpecTable()
 
     # ------------------------------------------------------------------ create / open
 
     @classmethod
     def create(cls, path: str | os.PathLike[str], *, signature: SpecSignature | None = None,
-               subspace: Subspace | None = None, exist_ok: bool = False) -> Dock:
+               subspace: Subspace | None = None, exist_ok: bool = False,
+               database: str | None = None) -> Dock:
         """Create a dock at ``path`` (a new or empty dir); ``signature`` fixes the spec space
         now, otherwise the first submit locks it. ``subspace``: the public coordinate subspace
         ``U`` of the dock's specs (stored with the dock, :attr:`subspace`; every spec must be
         made with ``SpecConfig(subspace=dock.subspace)``); None for whole-block specs.
         ``exist_ok`` opens an existing dock instead (checking ``signature`` and ``subspace``
-        against it)."""
+        against it). ``database``: a ``postgresql://user@host:port/dbname`` URL to keep the
+        index in that (empty) PostgreSQL database instead of ``index.sqlite``; put the
+        password in ``PGPASSWORD`` or ``~/.pgpass``, not in the URL (the URL is stored in
+        ``index.json``)."""
         path = Path(path)
         if signature is not None and not isinstance(signature, SpecSignature):
             raise TypeError(f"signature must be a SpecSignature, got {type(signature).__name__}")
         if subspace is not None and not isinstance(subspace, Subspace):
             raise TypeError(f"subspace must be a pavejax.pave.subspace.Subspace, got "
                             f"{type(subspace).__name__}")
-        if (path / "index.sqlite").exists():
+        if database is not None and not idb.is_database_url(database):
+            raise ValueError(f"database must be a postgresql:// URL, got {database!r}")
+        if (path / "index.sqlite").exists() or (path / "index.json").exists():
             if not exist_ok:
                 raise FileExistsError(f"{path} is already a dock; use Dock.open(path) or "
                                       f"Dock.create(path, exist_ok=True)")
@@ -125,6 +137,15 @@ class Dock:
         if path.exists() and (not path.is_dir() or any(path.iterdir())):
             raise DockError(f"{path} exists and is not an empty directory nor a dock; choose a "
                             f"new path")
+        if database is not None:
+            if ":" in database.split("://", 1)[1].split("@", 1)[0] and "@" in database:
+                raise ValueError("put the database password in PGPASSWORD or ~/.pgpass, not in "
+                                 "the URL: the URL is stored in the dock's index.json")
+            conn = idb.PostgresConnection(database)
+            if idb.table_exists(conn, "meta"):
+                conn.close()
+                raise DockError(f"the database {idb.redact(database)} already holds a dock "
+                                f"index; give each dock its own database (CREATE DATABASE)")
         (path / "tensors").mkdir(parents=True, exist_ok=True)
         (path / "secret").mkdir(mode=0o700, exist_ok=True)
         fd = os.open(path / "secret" / "a_key", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
@@ -134,44 +155,103 @@ class Dock:
             os.fsync(f.fileno())
         if subspace is not None:
             subspace.save(path / "subspace")
-        conn = connect(path / "index.sqlite")
+        dock_uid = uuid.uuid4().hex
+        if database is None:
+            conn = idb.connect_sqlite(path / "index.sqlite")
         with transaction(conn):
-            for statement in filter(str.strip, SCHEMA.split(";")):
-                conn.execute(statement)
-            conn.executemany("INSERT OR IGNORE INTO meta VALUES (?, ?)",
-                             [("format", FORMAT), ("version", str(VERSION)),
-                              ("generation", "0")])
+            idb.migrate(conn, 0)
+            for key, value in (("format", FORMAT), ("generation", "0"), ("dock_uid", dock_uid)):
+                conn.execute("INSERT INTO meta (key, value) VALUES (?, ?) ON CONFLICT (key) "
+                             "DO NOTHING", (key, value))
             if subspace is not None:
-                conn.execute("INSERT INTO meta VALUES ('subspace', ?)", (subspace.hash,))
+                conn.execute("INSERT INTO meta (key, value) VALUES ('subspace', ?)",
+                             (subspace.hash,))
+        if database is not None:  # written last: a crash before leaves no half-made dock
+            (path / "index.json").write_text(json.dumps(
+                {"database": database, "dock_uid": dock_uid}, indent=1) + "\n")
         dock = cls(path, conn)
         if signature is not None:
             dock._lock_signature(signature)
         return dock
 
     @classmethod
-    def open(cls, path: str | os.PathLike[str]) -> Dock:
-        """Open an existing dock; garbage-collects tensor dirs left by killed submits."""
+    def open(cls, path: str | os.PathLike[str], *, collect_garbage: bool = True) -> Dock:
+        """Open an existing dock; garbage-collects tensor dirs left by killed submits (unless
+        ``collect_garbage=False``, for extra handles of a dock already open) and applies the
+        index migrations of this library version."""
         path = Path(path)
         if not path.is_dir():
             raise FileNotFoundError(f"no dock at {path}; create one with Dock.create(path)")
-        if not (path / "index.sqlite").is_file():
+        pointer = path / "index.json"
+        if pointer.is_file():
+            try:
+                where = json.loads(pointer.read_text())
+                url, uid = where["database"], where["dock_uid"]
+            except (ValueError, KeyError, TypeError):
+                raise DockError(f"{pointer} is corrupt; it must hold the dock's database URL "
+                                f"and uid") from None
+            conn = idb.PostgresConnection(url)
+            source = idb.redact(url)
+        elif (path / "index.sqlite").is_file():
+            uid, source = None, f"{path}/index.sqlite"
+            try:
+                conn = idb.connect_sqlite(path / "index.sqlite")
+            except idb.sqlite3.DatabaseError as e:
+                raise DockError(f"the index of the dock at {path} ({source}) is corrupt or "
+                                f"unreadable ({e}); restore it from a backup") from None
+        else:
             raise DockError(f"{path} is not a pavejax dock (no index.sqlite); create one with "
                             f"Dock.create on an empty directory")
         try:
-            conn = connect(path / "index.sqlite")
             meta = dict(conn.execute("SELECT key, value FROM meta").fetchall())
-            conn.execute(f"SELECT {COLUMNS} FROM learnwares LIMIT 1").fetchall()
-        except sqlite3.DatabaseError as e:
-            raise DockError(f"the index of the dock at {path} is corrupt or unreadable ({e}); "
-                            f"restore it from a backup") from None
+        except idb.database_errors(conn) as e:
+            conn.close()
+            raise DockError(f"the index of the dock at {path} ({source}) is corrupt or "
+                            f"unreadable ({e}); restore it from a backup") from None
         if meta.get("format") != FORMAT:
-            raise DockError(f"{path}/index.sqlite is not a pavejax dock index")
-        if int(meta.get("version", "0")) > VERSION:
+            conn.close()
+            raise DockError(f"{source} is not a pavejax dock index")
+        if uid is not None and meta.get("dock_uid") != uid:
+            conn.close()
+            raise DockError(f"the database {source} holds another dock's index than the one "
+                            f"{path} was created with; point index.json at the right database")
+        version = int(meta.get("version", "0"))
+        if version > VERSION:
+            conn.close()
             raise DockError(f"the dock at {path} has format version {meta['version']}, newer than "
                             f"this library's {VERSION}; upgrade pavejax")
+        if version < VERSION:
+            with transaction(conn):
+                current = int(dict(conn.execute("SELECT key, value FROM meta").fetchall())
+                              .get("version", "0"))
+                if current < VERSION:  # another process may have migrated meanwhile
+                    idb.migrate(conn, current)
+        try:
+            conn.execute(f"SELECT {COLUMNS} FROM learnwares LIMIT 1").fetchall()
+        except idb.database_errors(conn) as e:
+            conn.close()
+            raise DockError(f"the index of the dock at {path} ({source}) is corrupt or "
+                            f"unreadable ({e}); restore it from a backup") from None
         dock = cls(path, conn)
-        dock._collect_garbage()
+        if collect_garbage:
+            dock._collect_garbage()
         return dock
+
+    @classmethod
+    def remote(cls, url: str, token: str | None = None, *, timeout: float = 120.0) -> RemoteDock:
+        """A client of the HTTP dock served at ``url`` (``pavejax dock serve``), with the same
+        ``search``, ``load_spec``, ``load_model``, ``list``, ``get`` and ``submit`` as a local
+        dock. ``token``: the developer token of an account (needed to submit and withdraw).
+        Searches download the published spec snapshot and rank on this machine: the user's spec
+        is never sent."""
+        from pavejax.pave.remote import RemoteDock
+
+        return RemoteDock(url, token=token, timeout=timeout)
+
+    @property
+    def backend(self) -> str:
+        """``"sqlite"`` or ``"postgresql"``: where the index lives."""
+        return getattr(self._conn, "dialect", "sqlite")
 
     def close(self) -> None:
         """Close the index connection (the dock object is unusable afterwards)."""
@@ -259,10 +339,14 @@ class Dock:
     # ------------------------------------------------------------------ submit / remove
 
     def submit(self, spec: PaveSpec, *, name: str, model: Any = None,
-               metadata: Mapping[str, Any] | None = None) -> int:
+               metadata: Mapping[str, Any] | None = None, submitter: str | None = None,
+               files: Mapping[str, tuple[os.PathLike[str] | str, str]] | None = None) -> int:
         """Store a model-side ``spec`` (and optionally the model's params pytree) under the
         unique ``name``; returns its id. ``metadata`` is a JSON-safe dict (reuse reads its
         ``"classes"``: the model's class names in output order). Atomic and crash-safe.
+        ``submitter``: the account submitting it (recorded; only it may withdraw it over
+        HTTP). ``files``: release archives to keep with it, ``{"spec": (archive path,
+        release content hash), "model": ...}`` (what :meth:`download` and an HTTP dock serve).
 
         Refuses what :func:`pavejax.release.save_release` refuses: secrets by name (``A``,
         ``lora_a``, keys, ...) in the model, the spec info or ``metadata``; PRNG key arrays;
@@ -288,19 +372,32 @@ class Dock:
             check_tensor_names(model, "model")
         meta_json = to_json(dict(metadata), "metadata")
         model_tree, structure = (None, None) if model is None else model_to_tree(model)
+        stored_files = {}
+        for key, (archive, content_hash) in (files or {}).items():
+            if key not in ("spec", "model") or not Path(archive).is_file():
+                raise ValueError(f"files must map 'spec'/'model' to (archive path, content "
+                                 f"hash); got {key!r} -> {archive!r}")
+            stored_files[key] = {"sha256": file_sha256(Path(archive)),
+                                 "size": Path(archive).stat().st_size,
+                                 "content_hash": str(content_hash)}
+        if submitter is not None and (not isinstance(submitter, str) or not submitter):
+            raise ValueError(f"submitter must be a non-empty account name, got {submitter!r}")
         sig = spec.signature
         with transaction(self._conn):
             self._check_or_lock(sig, what="spec")
             if self._conn.execute("SELECT 1 FROM learnwares WHERE name = ?", (name,)).fetchone():
                 raise ValueError(f"a learnware named {name!r} is already in the dock; choose "
                                  f"another name (e.g. {name + '-2'!r})")
+            version = self._bump_generation()
             cur = self._conn.execute(
-                f"INSERT INTO learnwares ({COLUMNS}) VALUES (NULL, ?, ?, ?, ?, ?, ?, ?, ?, ?, "
-                f"?, ?)", (name, meta_json, sig.backbone_id, sig.backbone_hash, sig.rank,
-                           json.dumps(list(sig.layers)), sig.a_hash, to_json(info, "spec info"),
-                           to_json(ledger_summary(info), "ledger summary"),
-                           None if structure is None else json.dumps(structure), time.time()))
-            new_id = int(cur.lastrowid)
+                f"INSERT INTO learnwares ({COLUMNS.removeprefix('id, ')}) VALUES (?, ?, ?, ?, "
+                f"?, ?, ?, ?, ?, ?, ?, ?, ?, ?) RETURNING id",
+                (name, meta_json, sig.backbone_id, sig.backbone_hash, sig.rank,
+                 json.dumps(list(sig.layers)), sig.a_hash, to_json(info, "spec info"),
+                 to_json(ledger_summary(info), "ledger summary"),
+                 None if structure is None else json.dumps(structure), time.time(), submitter,
+                 version, json.dumps(stored_files) if stored_files else None))
+            new_id = int(cur.fetchone()[0])
             _HOOKS.get("after_insert", _noop)()
             tmp = self.path / "tensors" / f".tmp-{uuid.uuid4().hex}"
             final = self.path / "tensors" / str(new_id)
@@ -309,6 +406,10 @@ class Dock:
                 save_tree(tmp / "spec", {"vector": np.asarray(spec.vector, np.float32)})
                 if model_tree is not None:
                     save_tree(tmp / "model", model_tree)
+                if files:
+                    (tmp / "files").mkdir()
+                    for key, (archive, _) in files.items():
+                        shutil.copyfile(archive, tmp / "files" / f"{key}.tar")
                 fsync_tree(tmp)
                 _HOOKS.get("after_tensors", _noop)()
                 if final.exists():  # an orphan of a killed submit that got the same id
@@ -316,25 +417,83 @@ class Dock:
                 os.rename(tmp, final)
                 fsync_tree(self.path / "tensors", recursive=False)
                 _HOOKS.get("after_rename", _noop)()
-                self._bump_generation()
             except BaseException:
                 shutil.rmtree(tmp, ignore_errors=True)
                 shutil.rmtree(final, ignore_errors=True)
                 raise
         return new_id
 
-    def _bump_generation(self) -> None:
-        self._conn.execute("UPDATE meta SET value = CAST(value AS INTEGER) + 1 "
+    def _bump_generation(self) -> int:
+        """Advance the generation (inside a write transaction); returns the new one."""
+        self._conn.execute("UPDATE meta SET value = CAST(CAST(value AS INTEGER) + 1 AS TEXT) "
                            "WHERE key = 'generation'")
+        return int(self._conn.execute(
+            "SELECT value FROM meta WHERE key = 'generation'").fetchone()[0])
 
-    def remove(self, id_or_name: int | str) -> None:
+    def remove(self, id_or_name: int | str, *, submitter: str | None = None) -> DockEntry:
         """Delete a learnware (row first, then its tensors; an interrupted delete leaves an
-        orphan dir that the next open collects)."""
+        orphan dir that the next open collects); returns its entry. With ``submitter``, only
+        a learnware that account submitted is removed (``PermissionError`` otherwise), checked
+        under the write lock. The withdrawal is logged, so incremental snapshots drop it."""
         entry = self._row(id_or_name)
         with transaction(self._conn):
+            row = self._conn.execute("SELECT submitter FROM learnwares WHERE id = ?",
+                                     (entry.id,)).fetchone()
+            if row is None:
+                raise KeyError(f"no learnware {id_or_name!r} in the dock at {self.path} (it "
+                               f"was just withdrawn)")
+            if submitter is not None and row[0] != submitter:
+                owner = "was submitted locally" if row[0] is None else "belongs to another account"
+                raise PermissionError(f"learnware {entry.name!r} (id {entry.id}) {owner}; only "
+                                      f"the account that submitted it may withdraw it")
             self._conn.execute("DELETE FROM learnwares WHERE id = ?", (entry.id,))
-            self._bump_generation()
+            version = self._bump_generation()
+            self._conn.execute("INSERT INTO withdrawn (id, version) VALUES (?, ?)",
+                               (entry.id, version))
         shutil.rmtree(self.path / "tensors" / str(entry.id), ignore_errors=True)
+        return entry
+
+    # ------------------------------------------------------------------ accounts
+
+    def add_account(self, name: str) -> str:
+        """Create the developer account ``name`` and return its token (shown once; the dock
+        keeps only its sha256). Submitting and withdrawing over HTTP need a token."""
+        if not isinstance(name, str) or not name.strip() or len(name) > 64 or \
+                not all(c.isalnum() or c in "-_.@" for c in name):
+            raise ValueError(f"account names are 1-64 characters of letters, digits and -_.@; "
+                             f"got {name!r}")
+        token = _TOKEN_PREFIX + secrets.token_urlsafe(32)
+        with transaction(self._conn):
+            if self._conn.execute("SELECT 1 FROM accounts WHERE name = ?", (name,)).fetchone():
+                raise ValueError(f"account {name!r} already exists; revoke it first to issue a "
+                                 f"new token (pavejax dock token --revoke)")
+            self._conn.execute("INSERT INTO accounts (name, token_hash, created) VALUES "
+                               "(?, ?, ?)", (name, _token_hash(token), time.time()))
+        return token
+
+    def revoke_account(self, name: str) -> None:
+        """Delete the account (its token stops working; its learnwares stay)."""
+        with transaction(self._conn):
+            if self._conn.execute("SELECT 1 FROM accounts WHERE name = ?", (name,)).fetchone() \
+                    is None:
+                raise KeyError(f"no account {name!r}; see Dock.accounts()")
+            self._conn.execute("DELETE FROM accounts WHERE name = ?", (name,))
+
+    def accounts(self) -> list[str]:
+        """The account names, sorted."""
+        return [r[0] for r in self._conn.execute("SELECT name FROM accounts ORDER BY name")]
+
+    def account_for_token(self, token: str) -> str | None:
+        """The account whose token this is, or None (compared by hash, in constant time)."""
+        if not isinstance(token, str) or not token.startswith(_TOKEN_PREFIX):
+            return None
+        digest = _token_hash(token)
+        rows = self._conn.execute("SELECT name, token_hash FROM accounts").fetchall()
+        found = None
+        for name, stored in rows:
+            if hmac.compare_digest(stored, digest):
+                found = name
+        return found
 
     # ------------------------------------------------------------------ read
 
@@ -396,22 +555,16 @@ class Dock:
                 "SELECT value FROM meta WHERE key = 'generation'").fetchone()[0]
             if gen == self._cache_generation:
                 return
-            rows = self._conn.execute("SELECT id, name FROM learnwares ORDER BY id").fetchall()
+            rows = self._conn.execute(
+                "SELECT id, name, spec_info FROM learnwares ORDER BY id").fetchall()
+        table = self._table
         ids = [int(r[0]) for r in rows]
-        self._vectors = {i: self._vectors[i] if i in self._vectors else
-                         np.asarray(load_tree(self._tensor_dir(i) / "spec")["vector"], np.float32)
-                         for i in ids}
-        self._stds = {i: v for i, v in self._stds.items() if i in self._vectors}
-        self._ids, self._names = ids, [r[1] for r in rows]
-        self._indexes, self._cache_generation = {}, gen
-
-    def _index(self, dtype: str, chunk_size: int | None, mesh: Any) -> search_lib.CosineIndex:
-        key = (dtype, chunk_size, mesh)
-        if key not in self._indexes:
-            matrix = np.stack([self._vectors[i] for i in self._ids])
-            self._indexes[key] = search_lib.build_index(matrix, dtype=dtype, chunk_size=chunk_size,
-                                                        mesh=mesh, pad_to=256)
-        return self._indexes[key]
+        vectors = {i: table.vectors[i] if i in table.vectors else
+                   np.asarray(load_tree(self._tensor_dir(i) / "spec")["vector"], np.float32)
+                   for i in ids}
+        infos = {int(r[0]): json.loads(r[2]) for r in rows}
+        table.replace(ids, [r[1] for r in rows], vectors, infos)
+        self._cache_generation = gen
 
     def search(self, user_spec: PaveSpec | Sequence[PaveSpec], k: int = 5, *,
                chunk_size: int | None = None, dtype: str = "float32",
@@ -431,68 +584,60 @@ class Dock:
         host in float64 (``chunk_size``, ``dtype`` and ``mesh`` do not apply) and need every
         stored spec to be non-private or a plain-SGD DP-S-PAVE spec. Ties break by lower id.
         """
-        single = isinstance(user_spec, PaveSpec)
-        specs = [user_spec] if single else list(user_spec)
-        if not specs or not all(isinstance(s, PaveSpec) for s in specs):
-            raise TypeError("user_spec must be a PaveSpec or a non-empty list of PaveSpecs")
-        if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1:
-            raise ValueError(f"k must be an int >= 1, got {k!r}")
-        from pavejax.pave import noise_aware  # light: NumPy and SciPy only
-        if score not in noise_aware.SCORE_METHODS:
-            raise ValueError(f"score must be one of {noise_aware.SCORE_METHODS}, got {score!r}")
-        for s in specs:
-            if not np.isfinite(s.vector).all():
-                raise ValueError("a query spec has NaN/inf entries; regenerate it")
         sig = self.signature
-        if sig is not None:
-            for s in specs:
-                sig.require_compatible(s.signature, what="query spec")
+        specs = check_query(user_spec, k, score, sig)
         self._refresh()
-        if not self._ids:
-            empty = SearchResult((), (), np.zeros(0, np.float32), np.zeros(0, np.float32))
-            return empty if single else [empty] * len(specs)
-        queries = np.stack([s.vector for s in specs])
-        if score != "cosine":
-            out = self._search_noise_aware(queries, int(k), score)
-            return out[0] if single else out
-        index = self._index(dtype, chunk_size, mesh)
-        cos, idx = search_lib.search_index(index, queries, int(k))
-        out = [SearchResult(tuple(self._ids[j] for j in row), tuple(self._names[j] for j in row),
-                            c, scores_from_cosines(c)) for c, row in zip(cos, idx, strict=True)]
-        return out[0] if single else out
+        out = self._table.search(specs, int(k), signature=sig, chunk_size=chunk_size,
+                                 dtype=dtype, mesh=mesh, score=score)
+        return out[0] if isinstance(user_spec, PaveSpec) else out
 
-    def _noise_stds(self) -> np.ndarray:
-        """Each stored spec's per-coordinate noise std (in ``self._ids`` order), cached by id."""
-        from pavejax.pave.noise_aware import spec_noise_std
-        sig = self.signature
-        missing = [i for i in self._ids if i not in self._stds]
-        for i in missing:
-            entry = self._row(i)
-            spec = PaveSpec(self._vectors[i], sig, kind="model", info=entry.spec_info)
-            try:
-                self._stds[i] = spec_noise_std(spec)
-            except ValueError as e:
-                raise ValueError(f"learnware {entry.name!r} (id {i}) cannot be ranked by a "
-                                 f"noise-aware score: {e}; search with score='cosine'") from None
-        return np.array([self._stds[i] for i in self._ids], np.float64)
+    # ------------------------------------------------------------------ publishing
 
-    def _search_noise_aware(self, queries: np.ndarray, k: int,
-                            method: str) -> list[SearchResult]:
-        from pavejax.pave.noise_aware import noise_aware_scores
-        matrix = np.stack([self._vectors[i] for i in self._ids])
-        stds = self._noise_stds()
-        ranking = noise_aware_scores(queries, matrix, stds, method)
-        cosines = noise_aware_scores(queries, matrix, stds, "cosine")
-        k = min(k, len(self._ids))
-        ids = np.asarray(self._ids)
+    def snapshot(self, since: int | None = None) -> dict[str, Any]:
+        """The dock's specs for client-side search, from one consistent read: ``{"version":
+        generation, "full": since is None, "learnwares": [{"id", "name", "version",
+        "spec_info", "vector"}], "removed": [ids]}``. With ``since``, only the learnwares
+        added after generation ``since`` and the ids withdrawn after it (a client that held
+        the snapshot of generation ``since`` applies these to reach ``version``)."""
+        if since is not None and (isinstance(since, bool) or not isinstance(since, int)
+                                  or since < 0):
+            raise ValueError(f"since must be a generation >= 0, got {since!r}")
+        with transaction(self._conn, "BEGIN"):
+            gen = int(self._conn.execute(
+                "SELECT value FROM meta WHERE key = 'generation'").fetchone()[0])
+            rows = self._conn.execute(
+                "SELECT id, name, version, spec_info FROM learnwares WHERE version > ? "
+                "ORDER BY id", (-1 if since is None else since,)).fetchall()
+            removed = [] if since is None else [int(r[0]) for r in self._conn.execute(
+                "SELECT id FROM withdrawn WHERE version > ? ORDER BY id", (since,))]
+        self._refresh()
         out = []
-        for r, c in zip(ranking, cosines, strict=True):
-            order = _rank_with_ties(r, ids)[:k]
-            cos = c[order].astype(np.float32)
-            out.append(SearchResult(tuple(int(ids[j]) for j in order),
-                                    tuple(self._names[j] for j in order), cos,
-                                    scores_from_cosines(cos), method, r[order]))
-        return out
+        for r in rows:
+            i = int(r[0])
+            vec = self._table.vectors.get(i)
+            if vec is None:  # added after our refresh read: read it directly
+                vec = np.asarray(load_tree(self._tensor_dir(i) / "spec")["vector"], np.float32)
+            out.append({"id": i, "name": r[1], "version": int(r[2]),
+                        "spec_info": json.loads(r[3]), "vector": vec})
+        return {"version": gen, "full": since is None, "learnwares": out,
+                "removed": [i for i in removed if i not in {o["id"] for o in out}]}
+
+    @property
+    def generation(self) -> int:
+        """A counter that advances with every submit and withdrawal."""
+        return int(self._conn.execute(
+            "SELECT value FROM meta WHERE key = 'generation'").fetchone()[0])
+
+    def file_path(self, id_or_name: int | str, what: str) -> Path:
+        """The stored release archive (``what``: ``"spec"`` or ``"model"``) of a learnware."""
+        entry = self._row(id_or_name)
+        if what not in ("spec", "model"):
+            raise ValueError(f"what must be 'spec' or 'model', got {what!r}")
+        if what not in entry.files:
+            raise FileNotFoundError(f"learnware {entry.name!r} has no stored {what} release "
+                                    f"(it was submitted without one, or locally as a spec "
+                                    f"object)")
+        return self._tensor_dir(entry.id) / "files" / f"{what}.tar"
 
     # ------------------------------------------------------------------ reuse
 
@@ -520,19 +665,11 @@ class Dock:
                                       base=base, **options)
 
 
-# Scores this close (relative to the largest) are ties: equal vectors can score a last bit apart
-# when BLAS reduces different rows of one matrix product in different orders.
-_TIE_RTOL = 1e-12
+_rank_with_ties = rank_with_ties  # the name the tests and benchmarks import
 
 
-def _rank_with_ties(scores: np.ndarray, ids: np.ndarray) -> np.ndarray:
-    """Indices by score descending; runs of scores within ``_TIE_RTOL`` (of the largest
-    magnitude) of their neighbour are one tie, ordered by lower id."""
-    order = np.argsort(-scores, kind="stable")
-    s = scores[order]
-    tol = _TIE_RTOL * max(float(np.max(np.abs(s))), np.finfo(np.float64).tiny)
-    group = np.concatenate([[0], np.cumsum(-np.diff(s) > tol)])
-    return order[np.lexsort((ids[order], group))]
+def _token_hash(token: str) -> str:
+    return hashlib.sha256(b"pavejax/dock-token/v1\0" + token.encode()).hexdigest()
 
 
 def _noop() -> None:
