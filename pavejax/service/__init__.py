@@ -1,0 +1,1 @@
+"""The shared dock over HTTP: a Starlette service and its read-only pages."""
