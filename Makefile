@@ -18,7 +18,7 @@ $(PY):
 	$(PIP) install --quiet --upgrade pip
 
 $(STAMP): pyproject.toml | $(PY)
-	$(PIP) install --quiet -e ".[test,text,bench]"
+	$(PIP) install --quiet -e ".[test,text,bench,service]"
 	touch $(STAMP)
 
 install: $(STAMP)

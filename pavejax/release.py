@@ -55,6 +55,7 @@ __all__ = [
     "ReleaseError",
     "ReleaseIntegrityError",
     "ReleaseMetadata",
+    "check_publishable",
     "content_hash",
     "load_release",
     "load_spec",
@@ -326,6 +327,16 @@ def _check_ledger_covers(meta: ReleaseMetadata) -> None:
         raise ReleaseError(f"the guarantee claims epsilon {g['epsilon']} at delta {g['delta']} "
                            f"but its ledger gives {eps} ({accountant}): state the ledger's "
                            f"epsilon (ledger.epsilon(delta))")
+
+
+def check_publishable(tensors: Any, metadata: ReleaseMetadata) -> None:
+    """The checks :func:`save_release` makes before writing, for a release received from
+    elsewhere (e.g. a dock service vetting an upload): no secrets by name or dtype, nothing
+    replayable, no add/remove figure, a ``"dp"`` guarantee covered by its own ledger. Raises
+    :class:`ReleaseError` saying what is wrong."""
+    _check_tensors(tensors)
+    check_record(metadata.to_dict(), "metadata", ReleaseError)
+    _check_ledger_covers(metadata)
 
 
 def _is_release(path: Path) -> bool:

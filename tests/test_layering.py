@@ -61,6 +61,7 @@ LAYER_OF: Mapping[str, str] = {
     "pavejax.experiments": "apps",
     "pavejax.finetune_example": "apps",
     "pavejax.lifecycle": "apps",
+    "pavejax.service": "apps",
 }
 LAYERS = ("core", "assets", "models", "data", "methods", "apps")
 MAY_IMPORT: Mapping[str, frozenset[str]] = {

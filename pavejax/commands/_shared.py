@@ -61,6 +61,11 @@ def positive_int(text: str) -> int:
     return value
 
 
+def dock_location(text: str) -> Path | str:
+    """A dock argument: an ``http(s)://`` URL of a dock service, else a folder path."""
+    return text.rstrip("/") if text.startswith(("http://", "https://")) else Path(text)
+
+
 def positive_float(text: str) -> float:
     """argparse type: a float > 0 (``inf`` allowed where the caller says so)."""
     value = float(text)

@@ -1,13 +1,20 @@
-"""``pavejax dock init|submit|search|list|show``: the dock from the command line.
+"""``pavejax dock init|submit|search|list|show|download|withdraw|token|serve``: the dock from
+the command line.
 
 Specs and models travel as releases (:mod:`pavejax.release`): ``pavejax spec`` writes a spec
 release; ``submit`` reads it (and optionally a model release) and stores both in the dock.
+Every action but ``init``, ``token`` and ``serve`` takes a dock folder or the URL of a dock
+service (``pavejax dock serve``); over HTTP, ``search`` downloads the published specs and ranks
+on this machine (the user's spec is never sent), and ``submit``/``withdraw`` need a developer
+token (``--token`` or ``PAVEJAX_DOCK_TOKEN``).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
 from pathlib import Path
 
 from pavejax.commands import _shared as sh
@@ -24,6 +31,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     init = sub.add_parser("init", help="create an empty dock (and its secret A key)")
     init.add_argument("dock", type=Path, help="dock directory to create")
     init.add_argument("--exist-ok", action="store_true", help="open it if it already exists")
+    init.add_argument("--database", default=None, metavar="URL",
+                      help="keep the index in this empty PostgreSQL database "
+                      "(postgresql://user@host:port/dbname; password in PGPASSWORD or "
+                      "~/.pgpass) instead of <dock>/index.sqlite, so several machines or "
+                      "server processes share the dock")
     init.add_argument("--subspace", default=None, metavar="KIND:K[:SEED]",
                       help="store a public coordinate subspace U with the dock: every spec then "
                       "releases the coordinates C = B U (r x k per kernel) instead of the whole B "
@@ -41,7 +53,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                       help="with --subspace calibrated: tokens per public text (default "
                       "%(default)s)")
     submit = sub.add_parser("submit", help="store a model-side spec release (and a model)")
-    submit.add_argument("dock", type=Path)
+    submit.add_argument("dock", type=sh.dock_location, help=_WHERE)
     submit.add_argument("spec", type=Path, help="spec release directory (pavejax spec --out)")
     submit.add_argument("--name", required=True, help="unique learnware name")
     submit.add_argument("--model", type=Path, default=None,
@@ -49,7 +61,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     submit.add_argument("--metadata", default="{}",
                         help='JSON metadata, e.g. \'{"classes": ["negative", "positive"]}\'')
     search = sub.add_parser("search", help="rank the dock's learnwares for a user spec release")
-    search.add_argument("dock", type=Path)
+    search.add_argument("dock", type=sh.dock_location, help=_WHERE)
     search.add_argument("spec", type=Path, nargs="?", default=None,
                         help="user spec release directory (or give --user-data)")
     search.add_argument("--user-data", type=Path, default=None,
@@ -74,18 +86,128 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                              "non-private specs only; no privacy cost)")
     search.add_argument("--json", action="store_true", help="print JSON instead of a table")
     lst = sub.add_parser("list", help="list the learnwares in the dock")
-    lst.add_argument("dock", type=Path)
+    lst.add_argument("dock", type=sh.dock_location, help=_WHERE)
     for cmd in (init, submit, lst):
         cmd.add_argument("--json", action="store_true", help="print JSON instead of text")
     show = sub.add_parser("show", help="show one learnware's index record")
-    show.add_argument("dock", type=Path)
+    show.add_argument("dock", type=sh.dock_location, help=_WHERE)
     show.add_argument("learnware", help="id or name")
+    down = sub.add_parser("download", help="write a learnware's spec or model release to a "
+                          "folder (verified)")
+    down.add_argument("dock", type=sh.dock_location, help=_WHERE)
+    down.add_argument("learnware", help="id or name")
+    down.add_argument("--what", choices=("spec", "model"), default="model",
+                      help="which release (default %(default)s)")
+    down.add_argument("--out", type=Path, required=True, help="new release directory")
+    wd = sub.add_parser("withdraw", help="remove a learnware (over HTTP: only the account that "
+                        "submitted it)")
+    wd.add_argument("dock", type=sh.dock_location, help=_WHERE)
+    wd.add_argument("learnware", help="id or name")
+    for cmd in (submit, wd):
+        cmd.add_argument("--token", default=None,
+                         help="developer token for a dock URL (default: $PAVEJAX_DOCK_TOKEN)")
+    tok = sub.add_parser("token", help="issue (or revoke) a developer account's token for "
+                         "submitting over HTTP")
+    tok.add_argument("dock", type=Path, help="dock directory (on the serving machine)")
+    tok.add_argument("--account", default=None, help="account name (letters, digits, -_.@)")
+    tok.add_argument("--revoke", action="store_true", help="revoke the account's token")
+    tok.add_argument("--list", action="store_true", help="list the accounts")
+    tok.add_argument("--json", action="store_true", help="print JSON instead of text")
+    serve = sub.add_parser("serve", help="serve the dock over HTTP: the JSON API, the spec "
+                           "snapshot for client-side search, submissions with tokens, and a "
+                           "read-only page")
+    serve.add_argument("dock", type=Path, help="dock directory (SQLite or PostgreSQL index)")
+    serve.add_argument("--host", default="127.0.0.1",
+                       help="address to listen on (default %(default)s: this machine only)")
+    serve.add_argument("--port", type=sh.positive_int, default=8750,
+                       help="TCP port (default %(default)s)")
+    serve.add_argument("--max-upload-mb", type=sh.positive_float, default=256,
+                       help="largest submission accepted, MiB (default %(default)s)")
+    serve.add_argument("--title", default=None, help="title of the page")
 
 
-def _open(path: Path):
+_WHERE = "dock directory, or the URL of a dock service (http://host:port)"
+
+
+def _open(where: Path | str, token: str | None = None):
+    from pavejax.pave.dock import Dock
+    from pavejax.pave.remote import is_url
+
+    if is_url(where):
+        return Dock.remote(str(where), token=token or os.environ.get("PAVEJAX_DOCK_TOKEN"))
+    return Dock.open(where)
+
+
+def _local_only(ns: argparse.Namespace) -> None:
+    from pavejax.pave.remote import is_url
+
+    if is_url(str(ns.dock)):
+        raise ValueError(f"'dock {ns.dock_command}' runs on the dock's own folder, not a URL")
+
+
+def _serve(ns: argparse.Namespace) -> int:
+    try:
+        import uvicorn
+
+        from pavejax.service.app import create_app
+    except ImportError:
+        raise SystemExit("serving a dock needs the service extra: pip install "
+                         "'pavejax[service]'") from None
+    app = create_app(ns.dock, max_upload_bytes=int(ns.max_upload_mb * (1 << 20)),
+                     title=ns.title)
+    svc = app.state.service
+    print(f"serving the dock {ns.dock} ({len(svc.dock)} learnwares, {svc.dock.backend} index) "
+          f"at http://{ns.host}:{ns.port}/ : certified DP specs only, A key public, searches "
+          f"run on the clients", flush=True)
+    uvicorn.run(app, host=ns.host, port=ns.port, log_level="warning", access_log=False)
+    return 0
+
+
+def _token(ns: argparse.Namespace) -> int:
     from pavejax.pave.dock import Dock
 
-    return Dock.open(path)
+    with Dock.open(ns.dock) as dock:
+        if ns.list:
+            print("\n".join(dock.accounts()) or "(no accounts)")
+            return 0
+        if not ns.account:
+            raise ValueError("give --account NAME (or --list)")
+        if ns.revoke:
+            dock.revoke_account(ns.account)
+            print(f"revoked the token of {ns.account!r}")
+            return 0
+        token = dock.add_account(ns.account)
+    print(token if not ns.json else json.dumps({"account": ns.account, "token": token}))
+    print(f"# the token of {ns.account!r}: shown once, the dock keeps only its hash; pass it "
+          f"as --token or PAVEJAX_DOCK_TOKEN", file=sys.stderr)
+    return 0
+
+
+def _local_submit(dock, ns: argparse.Namespace, meta: dict):
+    """Store a spec (and model) release in a local dock, with the release archives."""
+    import tempfile
+
+    from pavejax.pave import _archive
+    from pavejax.release import content_hash, load_release, load_spec
+
+    spec = load_spec(ns.spec)
+    model = None
+    with tempfile.TemporaryDirectory(prefix="pavejax-submit-") as tmp:
+        files = {}
+        for what, d in (("spec", ns.spec), ("model", ns.model)):
+            if d is None:
+                continue
+            with open(Path(tmp) / f"{what}.tar", "wb") as f:
+                _archive.pack(f, [("release", Path(d))])
+            files[what] = (Path(tmp) / f"{what}.tar", content_hash(d))
+        if ns.model is not None:
+            model, model_meta = load_release(ns.model,
+                                             expect_backbone_hash=spec.signature.backbone_hash)
+            meta.setdefault("model_release", model_meta.to_dict())
+            # the class names of a model release travel with it (reuse needs them)
+            if "classes" in model_meta.extra:
+                meta.setdefault("classes", list(model_meta.extra["classes"]))
+        return dock.submit(spec, name=ns.name, model=model, metadata=meta, files=files), spec
 
 
 def _subspace(ns: argparse.Namespace):
@@ -127,13 +249,18 @@ def _parse_metadata(text: str) -> dict:
 
 def run(ns: argparse.Namespace) -> int:
     from pavejax.pave.dock import Dock
-    from pavejax.release import load_release, load_spec
+    from pavejax.pave.remote import RemoteDock
 
     action = ns.dock_command
     sh.select_backbone(ns)  # --backbone where the action takes one, else all-MiniLM-L6-v2
+    if action == "serve":
+        return _serve(ns)
+    if action == "token":
+        return _token(ns)
     if action == "init":
         subspace = None if ns.subspace is None else _subspace(ns)
-        dock = Dock.create(ns.dock, exist_ok=ns.exist_ok, subspace=subspace)
+        dock = Dock.create(ns.dock, exist_ok=ns.exist_ok, subspace=subspace,
+                           database=ns.database)
         if ns.json:
             print(json.dumps({"dock": str(ns.dock), "learnwares": len(dock),
                               "subspace": None if subspace is None else subspace.hash,
@@ -142,24 +269,31 @@ def run(ns: argparse.Namespace) -> int:
         where = "" if subspace is None else f" Coordinate subspace: {subspace!r}."
         print(f"dock ready at {ns.dock} ({len(dock)} learnwares).{where} {_PRIVACY_NOTE}")
         return 0
-    dock = _open(ns.dock)
+    dock = _open(ns.dock, getattr(ns, "token", None))
+    remote = isinstance(dock, RemoteDock)
     if action == "submit":
-        spec = load_spec(ns.spec)
-        model = None
         meta = _parse_metadata(ns.metadata)
-        if ns.model is not None:
-            model, model_meta = load_release(ns.model, expect_backbone_hash=None)
-            meta.setdefault("model_release", model_meta.to_dict())
-            # the class names of a model release travel with it (reuse needs them)
-            if "classes" in model_meta.extra:
-                meta.setdefault("classes", list(model_meta.extra["classes"]))
-        i = dock.submit(spec, name=ns.name, model=model, metadata=meta)
+        if remote:
+            from pavejax.release import load_spec
+
+            spec = load_spec(ns.spec)  # verified here too: a damaged release is not uploaded
+            i = dock.submit(ns.spec, name=ns.name, model=ns.model, metadata=meta)
+        else:
+            i, spec = _local_submit(dock, ns, meta)
         if ns.json:
-            print(json.dumps({"id": i, "name": ns.name, "has_model": model is not None,
+            print(json.dumps({"id": i, "name": ns.name, "has_model": ns.model is not None,
                               "guarantee": spec.info.get("guarantee")}, indent=2,
                              default=_jsonable))
         else:
             print(f"submitted {ns.name!r} as id {i}")
+    elif action == "download":
+        key = int(ns.learnware) if ns.learnware.isdigit() else ns.learnware
+        out = dock.download(key, ns.what, ns.out)
+        print(f"wrote the {ns.what} release of learnware {ns.learnware!r} to {out} (verified)")
+    elif action == "withdraw":
+        key = int(ns.learnware) if ns.learnware.isdigit() else ns.learnware
+        entry = dock.remove(key)
+        print(f"withdrew {entry.name!r} (id {entry.id})")
     elif action == "search":
         res = dock.search(_query(ns), k=ns.k, score=ns.score)
         rows = [{"rank": r + 1, "id": i, "name": n, "cosine": float(c), "score": float(s)}

@@ -30,7 +30,7 @@ DESCRIPTION = (
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     sh.describe(p, DESCRIPTION)
-    p.add_argument("--dock", type=Path, required=True,
+    p.add_argument("--dock", type=sh.dock_location, required=True,
                    help="the dock whose secret A key and parameter space the spec uses")
     side = p.add_mutually_exclusive_group(required=True)
     side.add_argument("--model", type=Path, help="model release directory (model side)")
@@ -129,7 +129,9 @@ def build_spec(ns: argparse.Namespace):
                          "side takes --user-task or --user-data")
     if ns.data is not None and ns.task is not None:
         raise ValueError("give --task or --data for the model side, not both")
-    with Dock.open(ns.dock) as dock:
+    from pavejax.pave.remote import is_url
+
+    with (Dock.remote(ns.dock) if is_url(ns.dock) else Dock.open(ns.dock)) as dock:
         a_key, signature, subspace = dock.a_key(), dock.signature, dock.subspace
     rank, layers = dock_space(signature, ns.rank, parse_layers(ns.layers), subspace)
     epsilon = ns.epsilon if ns.epsilon is not None or ns.model is None else 4.0

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import json
 import os
 from collections.abc import Mapping
@@ -49,6 +50,22 @@ class DockEntry:
     submitter: str | None = None  # the account that submitted it over HTTP; None: locally
     version: int = 0  # the dock generation it was added at
     files: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # stored release archives
+
+
+_KEY_DOMAIN = b"pavejax/dock-a-key/v1"
+
+
+def a_key_from_seed(seed_hex: str) -> jax.Array:
+    """The dock's key for ``A`` from its 256-bit seed (hex). JAX's threefry keys carry 64 bits:
+    the key is derived from the seed by SHA-256."""
+    try:
+        seed = bytes.fromhex(str(seed_hex).strip())
+    except ValueError:
+        seed = b""
+    if len(seed) != 32:
+        raise ValueError("the A-key seed must be 64 hex digits (256 bits)")
+    digest = hashlib.sha256(_KEY_DOMAIN + seed).digest()
+    return jax.random.wrap_key_data(np.frombuffer(digest[:8], np.uint32), impl="threefry2x32")
 
 
 def entry_from_row(r: tuple) -> DockEntry:

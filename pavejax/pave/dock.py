@@ -59,6 +59,7 @@ from pavejax.pave._archive import file_sha256
 from pavejax.pave._dock_io import (
     COLUMNS,
     DockEntry,
+    a_key_from_seed,
     entry_from_row,
     fsync_tree,
     ledger_summary,
@@ -83,7 +84,6 @@ __all__ = ["SCORE_TEMPERATURE", "Dock", "DockEntry", "DockError", "SearchResult"
 
 FORMAT, VERSION = "pavejax-dock", idb.SCHEMA_VERSION
 _TOKEN_PREFIX = "pvj_"
-_KEY_DOMAIN = b"pavejax/dock-a-key/v1"
 # Test-only pause points inside submit (stage name -> callable); empty in normal use.
 _HOOKS: dict[str, Callable[[], None]] = {}
 
@@ -322,19 +322,21 @@ class Dock:
             current.require_compatible(signature, what=what)
 
     def a_key(self) -> jax.Array:
-        """The dock's key for ``A`` (pass to ``pavejax.lora.init_lora``). Secret: lend it only
-        to admitted developers and users (see the module docstring)."""
+        """The dock's key for ``A`` (pass to ``pavejax.lora.init_lora``). Secret for a local
+        dock: lend it only to admitted developers and users (see the module docstring). An
+        HTTP dock (certified DP specs only) publishes it."""
+        return a_key_from_seed(self.a_key_seed())
+
+    def a_key_seed(self) -> str:
+        """The 256-bit seed (hex) behind :meth:`a_key`, as stored in ``secret/a_key``."""
         f = self.path / "secret" / "a_key"
         try:
-            seed = bytes.fromhex(f.read_text().strip())
+            seed = f.read_text().strip()
+            a_key_from_seed(seed)
         except (OSError, ValueError):
-            seed = b""
-        if len(seed) != 32:
             raise DockError(f"{f} is missing or corrupt: this copy of the dock cannot issue A "
-                            f"keys (searching still works)")
-        digest = hashlib.sha256(_KEY_DOMAIN + seed).digest()
-        return jax.random.wrap_key_data(np.frombuffer(digest[:8], np.uint32),
-                                        impl="threefry2x32")
+                            f"keys (searching still works)") from None
+        return seed
 
     # ------------------------------------------------------------------ submit / remove
 
@@ -638,6 +640,34 @@ class Dock:
                                     f"(it was submitted without one, or locally as a spec "
                                     f"object)")
         return self._tensor_dir(entry.id) / "files" / f"{what}.tar"
+
+    def download(self, id_or_name: int | str, what: str, out: str | os.PathLike[str]) -> Path:
+        """Write a learnware's ``what`` (``"spec"`` or ``"model"``) release to the new
+        directory ``out``: the stored archive (the submitted bytes, content hash verified), or
+        for a spec submitted as an object, a fresh release of the stored spec."""
+        from pavejax.pave import _archive
+        from pavejax.release import content_hash, save_spec
+
+        entry, out = self._row(id_or_name), Path(out)
+        if out.exists():
+            raise FileExistsError(f"{out} already exists; choose a new directory")
+        if what not in entry.files:
+            if what != "spec":
+                raise FileNotFoundError(f"learnware {entry.name!r} has no stored {what} "
+                                        f"release")
+            save_spec(out, self.load_spec(entry.id))
+            return out
+        tmp = out.with_name(f".{out.name}.tmp-{uuid.uuid4().hex}")
+        try:
+            _archive.extract(self.file_path(entry.id, what), tmp, allowed_top={"release"},
+                             max_bytes=2 * int(entry.files[what]["size"]) + 1)
+            if content_hash(tmp / "release") != entry.files[what]["content_hash"]:
+                raise DockError(f"the stored {what} release of {entry.name!r} was altered; "
+                                f"restore the dock from a backup")
+            os.rename(tmp / "release", out)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        return out
 
     # ------------------------------------------------------------------ reuse
 

@@ -1,0 +1,113 @@
+"""Shared pieces of the dock-service tests: tiny DP spec and model releases, and a dock server
+started as a real subprocess (``python -m pavejax dock serve``) on a free loopback port."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+
+from pavejax.accounting import Ledger
+from pavejax.accounting.events import gaussian_step_event
+from pavejax.release import ReleaseMetadata, save_release, save_spec
+from pavejax.spec_types import PaveSpec, SpecSignature
+
+ROOT = Path(__file__).resolve().parents[1]
+BACKBONE = "ab" * 32
+SIG = SpecSignature("tiny-mlp", BACKBONE, 2, ("l0/kernel", "l1/kernel"), (4, 6), "cd" * 32,
+                    "gaussian")
+OTHER_SIG = SpecSignature("other-mlp", "ef" * 32, 2, ("l0/kernel", "l1/kernel"), (4, 6),
+                          "cd" * 32, "gaussian")
+DELTA = 1e-5
+
+
+def dp_ledger(sigma: float = 6.0, steps: int = 20) -> Ledger:
+    """A replace-one ledger of full-batch Gaussian steps (fast to account)."""
+    ledger = Ledger("replace_one", accountant="rdp")
+    ledger.record(gaussian_step_event(sigma, q=1.0), count=steps, label="dp-s-pave")
+    return ledger
+
+
+def dp_spec(seed: int, sig: SpecSignature = SIG, *, sigma: float = 6.0,
+            kind: str = "model") -> PaveSpec:
+    """A model-side spec with a real DP guarantee (its ledger's epsilon at DELTA)."""
+    ledger = dp_ledger(sigma)
+    g = {"kind": "dp", "epsilon": ledger.epsilon(DELTA), "delta": DELTA,
+         "relation": "replace_one", "accountant": "rdp"}
+    vec = np.random.default_rng(seed).standard_normal(sig.dim).astype(np.float32)
+    return PaveSpec(vec, sig, kind, {"mechanism": "dp-s-pave", "ledger": ledger.to_dict(),
+                                     "guarantee": g})
+
+
+def spec_release(path: Path, seed: int, **kw) -> Path:
+    save_spec(path, dp_spec(seed, **kw))
+    return path
+
+
+def model_release(path: Path, seed: int, *, backbone_hash: str = BACKBONE,
+                  classes=("negative", "positive"), name: str = "head") -> Path:
+    """A tiny model release (one dense head), DP-trained by its record."""
+    rng = np.random.default_rng(1000 + seed)
+    tensors = {name: {"kernel": rng.standard_normal((4, len(classes))).astype(np.float32),
+                      "bias": np.zeros(len(classes), np.float32)}}
+    ledger = dp_ledger(4.0, 10)
+    meta = ReleaseMetadata(kind="model", backbone_id="tiny-mlp", backbone_hash=backbone_hash,
+                           mechanism="dp-sgd", ledger=ledger,
+                           guarantee={"kind": "dp", "epsilon": ledger.epsilon(DELTA),
+                                      "delta": DELTA},
+                           extra={"classes": list(classes)})
+    save_release(path, tensors, meta)
+    return path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 90.0) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the dock server exited with {proc.returncode}:\n"
+                               f"{proc.stderr.read() if proc.stderr else ''}")
+        try:
+            with urllib.request.urlopen(url + "/healthz", timeout=2):
+                return
+        except OSError:
+            time.sleep(0.2)
+    raise TimeoutError(f"the dock server at {url} did not answer in {timeout} s")
+
+
+def cli_env(**extra: str) -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu",
+            "XLA_FLAGS": "", **extra}
+
+
+@contextlib.contextmanager
+def serve(dock: Path, *args: str, port: int | None = None):
+    """Run ``pavejax dock serve DOCK`` in a subprocess; yields ``(url, process)``."""
+    port = port or free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "pavejax", "dock", "serve", str(dock),
+                             "--host", "127.0.0.1", "--port", str(port), *args],
+                            env=cli_env(), cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_ready(url, proc)
+        yield url, proc
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
