@@ -103,7 +103,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     try:
         return int(_COMMANDS[ns.command][2](ns) or 0)
-    except (ValueError, FileNotFoundError, FileExistsError) as err:
+    except (ValueError, FileNotFoundError, FileExistsError, PermissionError,
+            ConnectionError) as err:
         print(f"pavejax {ns.command}: error: {err}", file=sys.stderr)
         return 1
     except KeyError as err:

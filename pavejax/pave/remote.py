@@ -44,7 +44,7 @@ API = "/api/v1"
 _CHUNK = 1 << 20
 
 
-class RemoteDockError(RuntimeError):
+class RemoteDockError(ValueError):
     """The dock service refused a request or could not be reached (``status``: the HTTP status,
     0 when there was no answer); the message is the server's explanation."""
 
