@@ -42,8 +42,15 @@ def dp_spec(seed: int, sig: SpecSignature = SIG, *, sigma: float = 6.0,
     g = {"kind": "dp", "epsilon": ledger.epsilon(DELTA), "delta": DELTA,
          "relation": "replace_one", "accountant": "rdp"}
     vec = np.random.default_rng(seed).standard_normal(sig.dim).astype(np.float32)
+    # the record fields generate_spec writes for plain-SGD full-batch DP-S-PAVE, so the
+    # noise-aware scores can read the noise level (lr * sigma * C * sqrt(T) / n)
+    config = {"optimizer": "sgd", "l1": 0.0, "learning_rate": 0.1, "steps": 20,
+              "batch_size": 64, "layer_scaling": "none",
+              "privacy": {"l2_clip": 1.0, "clipping": "joint"}}
     return PaveSpec(vec, sig, kind, {"mechanism": "dp-s-pave", "ledger": ledger.to_dict(),
-                                     "guarantee": g})
+                                     "guarantee": g, "config": config,
+                                     "noise_multiplier": sigma, "num_examples": 64,
+                                     "sampling_rate": 1.0})
 
 
 def spec_release(path: Path, seed: int, **kw) -> Path:
