@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import re
 import signal
 import subprocess
@@ -114,6 +115,7 @@ class Env:
         assert resp.status_code == status, resp.text
         message = resp.json()["error"]
         assert re.search(phrase, message), message
+        assert str(self.path) not in message and "upload-" not in message  # no server paths
         assert state(self.path) == before
         return message
 
@@ -245,7 +247,7 @@ def test_spec_of_another_backbone(env):
 def test_model_release_of_another_backbone(env):
     body = bundle(spec_release(env.fresh(), 12),
                   model_release(env.fresh(), 12, backbone_hash="99" * 32), name="other-model")
-    env.refused(lambda: env.post(body), 422, r"model release is refused: .*another backbone")
+    env.refused(lambda: env.post(body), 409, r"model release is refused: .*another backbone")
 
 
 # ---------------------------------------------------------------------------- not certified DP
@@ -371,12 +373,11 @@ def test_server_killed_mid_submit_leaves_no_partial_entry(tmp_path):
     before = state(path)
     body = bundle(spec_release(tmp_path / "s", 1), model_release(tmp_path / "m", 1),
                   name="interrupted")
-    (tmp_path / "tmp").mkdir()
     port = free_port()
     code = ("import time; from pavejax.pave import dock as d; "
             "d._HOOKS['after_tensors'] = lambda: time.sleep(60); from pavejax.cli import main; "
             f"main(['dock', 'serve', {str(path)!r}, '--host', '127.0.0.1', '--port', '{port}'])")
-    proc = subprocess.Popen([sys.executable, "-c", code], env=cli_env(TMPDIR=str(tmp_path / "tmp")),
+    proc = subprocess.Popen([sys.executable, "-c", code], env=cli_env(),
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
     outcome: list = []
@@ -402,7 +403,13 @@ def test_server_killed_mid_submit_leaves_no_partial_entry(tmp_path):
     with Dock.open(path) as d:  # collects it
         assert (d.generation, len(d), [e.name for e in d.list()]) == before[:3]
     assert state(path) == before
+    # the killed server's staged upload is left next to the dock; a restart removes staging
+    # dirs once they are an hour old (younger ones may belong to another live server)
+    staged = list((path / "staging").glob("upload-*"))
+    assert len(staged) == 1
+    os.utime(staged[0], (time.time() - 7200, time.time() - 7200))
     with serve(path) as (url, _):
+        assert not staged[0].exists()
         with urllib.request.urlopen(url + URL, timeout=30) as resp:
             assert [e["name"] for e in json.loads(resp.read())["learnwares"]] == ["kept"]
         status, out = post_tar(url, body, token)

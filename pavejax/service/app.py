@@ -39,6 +39,7 @@ import os
 import shutil
 import tempfile
 import threading
+import time
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any
@@ -71,6 +72,7 @@ __all__ = ["DockService", "create_app"]
 API = "/api/v1"
 DEFAULT_MAX_UPLOAD = 256 << 20
 _SUBMISSION_TOP = {"submission.json", "spec", "model"}
+_STAGING_PREFIX = "upload-"
 
 
 class HTTPProblem(Exception):
@@ -119,6 +121,16 @@ class DockService:
         self.title = title or f"pavejax dock {self.path.name}"
         self.lock = threading.Lock()
         self._cache: OrderedDict[tuple, Any] = OrderedDict()
+        # uploads are staged next to the dock; a server killed mid-upload leaves its staging
+        # dir, removed by the next server start once it is an hour old (another server
+        # process of the same dock may be using a younger one)
+        self.staging = self.path / "staging"
+        self.staging.mkdir(exist_ok=True)
+        now = time.time()
+        for old in self.staging.glob(f"{_STAGING_PREFIX}*"):
+            with contextlib.suppress(OSError):
+                if now - old.stat().st_mtime > 3600:
+                    shutil.rmtree(old, ignore_errors=True)
 
     def close(self) -> None:
         self.dock.close()
@@ -259,7 +271,8 @@ class DockService:
         except SpecMismatchError as e:
             raise HTTPProblem(409, f"the {what} release does not fit this dock: {e}") from None
         except (ReleaseError, ValueError, KeyError, TypeError) as e:
-            raise HTTPProblem(422, f"the {what} release is refused: {e}") from None
+            status = 409 if "another backbone" in str(e) else 422
+            raise HTTPProblem(status, f"the {what} release is refused: {e}") from None
 
     def _vet_spec(self, root: Path) -> tuple[PaveSpec, ReleaseMetadata]:
         tensors, meta = self._load(root, "spec")
@@ -419,7 +432,7 @@ def create_app(dock_path: str | os.PathLike[str], *, max_upload_bytes: int = DEF
         if int(declared) > svc.max_upload:
             raise HTTPProblem(413, f"the upload is {int(declared)} bytes, over this dock's "
                                    f"limit of {svc.max_upload} bytes")
-        work = Path(tempfile.mkdtemp(prefix="pavejax-upload-"))
+        work = Path(tempfile.mkdtemp(prefix=_STAGING_PREFIX, dir=svc.staging))
         try:
             upload, received = work / "upload.tar", 0
             with open(upload, "wb") as f:
@@ -434,7 +447,10 @@ def create_app(dock_path: str | os.PathLike[str], *, max_upload_bytes: int = DEF
                                        f"bytes); send it again")
             out = await run_in_threadpool(svc.submit_staged, upload, account)
         except ClientDisconnect:
-            return Response(status_code=400)
+            raise HTTPProblem(400, "the client disconnected during the upload") from None
+        except HTTPProblem as p:  # the staging paths are the server's business
+            p.message = p.message.replace(f"{work}/x/", "").replace(str(work), "the upload")
+            raise
         finally:
             shutil.rmtree(work, ignore_errors=True)
         return JSONResponse(out, status_code=201)
