@@ -221,8 +221,7 @@ def run_lifecycle(cfg: LifecycleConfig, log: Callable[[str], None] = print) -> d
     hidden = encoder.config.hidden_size
     tb = TextSpecBackbone(encoder, tok, max_length=cfg.seq_len, layers=cfg.spec_layers)
     dock_path = Path(cfg.dock_dir) if cfg.dock_dir else out / "dock"
-    dock = Dock.open(dock_path) if (dock_path / "index.sqlite").exists() else \
-        Dock.create(dock_path)
+    dock = Dock.create(dock_path, exist_ok=True)
     a_key = dock.a_key()
     existing = {e.name for e in dock.list()}
     stage(f"backbone {tb.backbone.id} loaded; dock at {dock_path} ({len(dock)} learnwares)")

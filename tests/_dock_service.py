@@ -8,6 +8,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from pathlib import Path
@@ -103,13 +104,18 @@ def cli_env(**extra: str) -> dict[str, str]:
 def serve(dock: Path, *args: str, port: int | None = None):
     """Run ``pavejax dock serve DOCK`` in a subprocess; yields ``(url, process)``."""
     port = port or free_port()
+    log = tempfile.TemporaryFile("w+")  # a file, not a pipe: a chatty server never stalls
     proc = subprocess.Popen([sys.executable, "-m", "pavejax", "dock", "serve", str(dock),
                              "--host", "127.0.0.1", "--port", str(port), *args],
-                            env=cli_env(), cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                            env=cli_env(), cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                            text=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        wait_ready(url, proc)
+        try:
+            wait_ready(url, proc)
+        except (RuntimeError, TimeoutError) as e:
+            log.seek(0)
+            raise RuntimeError(f"{e}\nserver output:\n{log.read()[-4000:]}") from None
         yield url, proc
     finally:
         proc.terminate()
@@ -118,3 +124,4 @@ def serve(dock: Path, *args: str, port: int | None = None):
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+        log.close()

@@ -141,6 +141,9 @@ def test_snapshot_is_versioned_incremental_and_cached_by_etag(tmp_path):
     assert [e["id"] for e in snap["learnwares"]] == ids and snap["version"] == 3
     assert client.get("/api/v1/snapshot", headers={"If-None-Match": etag}).status_code == 304
     v = snap["version"]
+    # an up-to-date client asking for changes since its version gets 304 too
+    assert client.get(f"/api/v1/snapshot?since={v}",
+                      headers={"If-None-Match": etag}).status_code == 304
     r = client.delete(f"/api/v1/learnwares/{ids[0]}", headers=auth)
     assert r.status_code == 200, r.text
     new = submit(9, "n9")
@@ -157,7 +160,19 @@ def test_snapshot_is_versioned_incremental_and_cached_by_etag(tmp_path):
 def test_remote_client_syncs_only_what_changed(served):
     remote = Dock.remote(served["url"])
     v = remote.sync()
-    assert remote.sync() == v  # 304: nothing re-downloaded
+    calls = []
+    real_open = remote._open
+
+    def spy(method, path, **kw):
+        ctx = real_open(method, path, **kw)
+        calls.append(path)
+        return ctx
+
+    remote._open = spy
+    table = remote._table.vectors
+    assert remote.sync() == v and remote.sync() == v
+    assert calls == [f"/api/v1/snapshot?since={v}"] * 2
+    assert remote._table.vectors is table  # 304: the table was not rebuilt
     assert remote._table.names == ["a0", "a1", "b0"]
 
 

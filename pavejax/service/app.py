@@ -193,7 +193,9 @@ class DockService:
                                       "sha256": hashlib.sha256(raw).hexdigest(),
                                       "vector": base64.b64encode(raw).decode()})
         body = json.dumps(out, allow_nan=False).encode()
-        return body, f'"{snap["version"]}-{"full" if since is None else since}"'
+        # the ETag names the dock state: a client holding version V (full or brought up to
+        # date incrementally) sends it back and gets 304 while the dock is still at V
+        return body, f'"v{snap["version"]}"'
 
     # ------------------------------------------------------------------ writes
 
