@@ -3,12 +3,15 @@ started as a real subprocess (``python -m pavejax dock serve``) on a free loopba
 
 from __future__ import annotations
 
+import base64
 import contextlib
+import json
 import os
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -125,3 +128,73 @@ def serve(dock: Path, *args: str, port: int | None = None):
             proc.kill()
             proc.wait()
         log.close()
+
+
+class RecordingProxy:
+    """A TCP proxy on a loopback port that forwards to ``target`` and records every byte the
+    clients send (``sent``: one bytes object per connection)."""
+
+    def __init__(self, target_port: int) -> None:
+        self.target_port = target_port
+        self.sent: list[bytearray] = []
+        self._lock = threading.Lock()
+        self._server = socket.socket()
+        self._server.bind(("127.0.0.1", 0))
+        self._server.listen(64)
+        self.port = self._server.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._closed = False
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while not self._closed:
+            try:
+                client, _ = self._server.accept()
+            except OSError:
+                return
+            upstream = socket.create_connection(("127.0.0.1", self.target_port))
+            record = bytearray()
+            with self._lock:
+                self.sent.append(record)
+            threading.Thread(target=self._pipe, args=(client, upstream, record),
+                             daemon=True).start()
+            threading.Thread(target=self._pipe, args=(upstream, client, None),
+                             daemon=True).start()
+
+    @staticmethod
+    def _pipe(src: socket.socket, dst: socket.socket, record: bytearray | None) -> None:
+        try:
+            while chunk := src.recv(1 << 16):
+                if record is not None:
+                    record.extend(chunk)
+                dst.sendall(chunk)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                with contextlib.suppress(OSError):
+                    s.shutdown(socket.SHUT_RDWR)
+
+    def requests_since(self, start: int) -> list[bytes]:
+        with self._lock:
+            return [bytes(r) for r in self.sent[start:]]
+
+    def close(self) -> None:
+        self._closed = True
+        self._server.close()
+
+
+def spec_fingerprints(vector) -> list[bytes]:
+    """Byte strings that would reveal a spec if sent: its raw float32 vector (whole and a
+    64-byte window), their base64, and decimal renderings of its first values (JSON list and
+    repr, float32 and float64 rounding)."""
+    vec = np.asarray(vector, "<f4")
+    raw = vec.tobytes()
+    return [raw, raw[:64], base64.b64encode(raw), base64.b64encode(raw[:48]),
+            json.dumps([float(x) for x in vec[:4]])[1:-1].encode(),
+            repr(float(vec[0])).encode(), str(vec[0]).encode()]
+
+
+def leaked(sent: bytes, vector) -> list[bytes]:
+    """The fingerprints of ``vector`` found in ``sent``."""
+    return [f for f in spec_fingerprints(vector) if f in sent]

@@ -4,6 +4,8 @@ backends (SQLite, PostgreSQL) hold the same schema and migrate old docks."""
 
 from __future__ import annotations
 
+import base64
+import contextlib
 import io
 import json
 import re
@@ -23,7 +25,15 @@ from pavejax.pave.remote import RemoteDock, RemoteDockError
 from pavejax.release import content_hash
 from pavejax.service.app import create_app
 from tests._browser import artifact_dir, chromium_path, dump_dom, screenshot
-from tests._dock_service import SIG, dp_spec, model_release, serve, spec_release
+from tests._dock_service import (
+    SIG,
+    RecordingProxy,
+    dp_spec,
+    leaked,
+    model_release,
+    serve,
+    spec_release,
+)
 from tests._postgres import postgres_available, postgres_server
 from tests._services import require_or_skip
 
@@ -62,6 +72,40 @@ def test_remote_search_ranks_exactly_as_the_local_dock(served):
         assert top.names == ("a0",) and top.cosines[0] == pytest.approx(1.0, abs=1e-6)
         assert [e.name for e in remote.list()] == [e.name for e in local.list()]
         assert len(remote) == len(local) == 3
+
+
+def test_search_sends_nothing_of_the_query_and_the_recording_catches_a_leaky_client(served):
+    """The recording check of the end-to-end test, with a deliberately broken client: one that
+    ranks on the server (it sends the query) is flagged; the real client is not."""
+    proxy = RecordingProxy(int(served["url"].rsplit(":", 1)[1]))
+    try:
+        query = dp_spec(11, kind="user")
+        plain = np.array(query.vector)  # a non-private user spec's vector
+        Dock.remote(proxy.url).search(query, k=2, score="debiased")
+        honest = b"".join(proxy.requests_since(0))
+        assert honest and leaked(honest, plain) == []
+        assert all(r.startswith(b"GET /api/v1/snapshot") for r in proxy.requests_since(0))
+
+        class LeakyRemote(RemoteDock):  # server-side search: what a Beimingwu-style client does
+            def search(self, user_spec, k=5, **kw):
+                body = json.dumps({"vector": [float(x) for x in user_spec.vector], "k": k})
+                with contextlib.suppress(RemoteDockError):
+                    self._json("POST", "/api/v1/search", data=body.encode(),
+                               headers={"Content-Type": "application/json"})
+                return super().search(user_spec, k, **kw)
+
+        start = len(proxy.sent)
+        LeakyRemote(proxy.url).search(query, k=2)
+        assert leaked(b"".join(proxy.requests_since(start)), plain)
+        # and one that sends the raw float32 bytes, base64-encoded, in a query string
+        start = len(proxy.sent)
+        b64 = base64.urlsafe_b64encode(plain.astype("<f4").tobytes()).decode()
+        with contextlib.suppress(RemoteDockError):
+            RemoteDock(proxy.url)._json("GET", "/api/v1/snapshot?q=" + b64.replace("-", "+")
+                                        .replace("_", "/"))
+        assert leaked(b"".join(proxy.requests_since(start)), plain)
+    finally:
+        proxy.close()
 
 
 def test_listing_publishes_the_guarantees_submitters_and_hashes(served):

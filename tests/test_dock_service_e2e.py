@@ -5,88 +5,15 @@ merge of the top two, a withdrawal, and a search again."""
 
 from __future__ import annotations
 
-import base64
-import contextlib
 import json
-import socket
 import subprocess
 import sys
-import threading
-from pathlib import Path
 
-import numpy as np
 import pytest
 
 from pavejax.release import content_hash, load_release, load_spec
-from tests._dock_service import ROOT, cli_env, serve
+from tests._dock_service import ROOT, RecordingProxy, cli_env, leaked, serve
 from tests.test_cli import SMALL_TRAIN, cli, ok_json, real
-
-
-class RecordingProxy:
-    """A TCP proxy on a loopback port that forwards to ``target`` and records every byte the
-    clients send (``sent``: one bytes object per connection)."""
-
-    def __init__(self, target_port: int) -> None:
-        self.target_port = target_port
-        self.sent: list[bytearray] = []
-        self._lock = threading.Lock()
-        self._server = socket.socket()
-        self._server.bind(("127.0.0.1", 0))
-        self._server.listen(64)
-        self.port = self._server.getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
-        self._closed = False
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self) -> None:
-        while not self._closed:
-            try:
-                client, _ = self._server.accept()
-            except OSError:
-                return
-            upstream = socket.create_connection(("127.0.0.1", self.target_port))
-            record = bytearray()
-            with self._lock:
-                self.sent.append(record)
-            threading.Thread(target=self._pipe, args=(client, upstream, record),
-                             daemon=True).start()
-            threading.Thread(target=self._pipe, args=(upstream, client, None),
-                             daemon=True).start()
-
-    @staticmethod
-    def _pipe(src: socket.socket, dst: socket.socket, record: bytearray | None) -> None:
-        try:
-            while chunk := src.recv(1 << 16):
-                if record is not None:
-                    record.extend(chunk)
-                dst.sendall(chunk)
-        except OSError:
-            pass
-        finally:
-            for s in (src, dst):
-                with contextlib.suppress(OSError):
-                    s.shutdown(socket.SHUT_RDWR)
-
-    def requests_since(self, start: int) -> list[bytes]:
-        with self._lock:
-            return [bytes(r) for r in self.sent[start:]]
-
-    def close(self) -> None:
-        self._closed = True
-        self._server.close()
-
-
-def _spec_fingerprints(spec_dir: Path) -> list[bytes]:
-    """Byte strings that would reveal the user's spec if sent: its raw float32 vector (whole
-    and a 64-byte window), their base64, decimal renderings of its first values, and the
-    release's own record (its metadata and content hash)."""
-    vec = np.asarray(load_spec(spec_dir).vector, "<f4")
-    raw = vec.tobytes()
-    out = [raw, raw[:64], base64.b64encode(raw), base64.b64encode(raw[:48]),
-           json.dumps([float(x) for x in vec[:4]])[1:-1].encode(),
-           repr(float(vec[0])).encode()]
-    out += [(spec_dir / "metadata.json").read_bytes(), content_hash(spec_dir).encode()]
-    return out
 
 
 @real
@@ -177,8 +104,9 @@ def test_shared_dock_end_to_end_on_loopback(tmp_path):
             # nothing the user's spec is made of ever reached the server
             everything = b"".join(proxy.requests_since(0))
             assert b"POST /api/v1/learnwares" in everything  # the recording sees the submits
-            for fingerprint in _spec_fingerprints(user):
-                assert fingerprint not in everything
+            assert leaked(everything, load_spec(user).vector) == []
+            for record in ((user / "metadata.json").read_bytes(), content_hash(user).encode()):
+                assert record not in everything
         finally:
             proxy.close()
 
