@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import hashlib
 import io
 import json
 import re
@@ -424,3 +425,48 @@ def test_spec_release_of_a_stored_object_spec(tmp_path):
 
     np.testing.assert_array_equal(load_spec(out).vector, dp_spec(4).vector)
     assert load_spec(out).info["guarantee"] == dp_spec(4).info["guarantee"]
+
+
+# ------------------------------------------------------------------ tensors elsewhere
+
+
+@pytest.mark.parametrize("as_url", [False, True], ids=["mounted-folder", "epath-branch"])
+def test_tensors_under_another_root(tmp_path, monkeypatch, as_url):
+    """The tensor dirs and archives under a root outside the dock folder. ``epath-branch``
+    treats the (local) root as an object store would be treated (no fsync, renames and copies
+    through etils.epath, downloads streamed), which is the code path of a gs:// root."""
+    from pavejax.pave import _dock_io, dock as dock_mod
+    from pavejax.service import app as app_mod
+
+    if as_url:
+        for mod in (dock_mod, _dock_io, app_mod):
+            monkeypatch.setattr(mod, "is_local", lambda root: False)
+    root = tmp_path / "object-store" / "market"
+    with Dock.create(tmp_path / "dock", tensors=str(root)) as d:
+        token = d.add_account("alice")
+        i = d.submit(dp_spec(0), name="kept")
+        (root / ".tmp-orphan").mkdir()  # a killed submit's leftovers
+    assert not any((tmp_path / "dock" / "tensors").iterdir())
+    with Dock.open(tmp_path / "dock") as d:
+        assert not (root / ".tmp-orphan").exists()  # collected under the write lock
+        assert d.search(dp_spec(0, kind="user"), k=1).names == ("kept",)
+    client = TestClient(create_app(tmp_path / "dock"))
+    body = io.BytesIO()
+    pack(body, [("spec", spec_release(tmp_path / "s", 1)),
+                ("model", model_release(tmp_path / "m", 1))],
+         [("submission.json", json.dumps({"name": "up"}).encode())])
+    r = client.post("/api/v1/learnwares", content=body.getvalue(),
+                    headers={"Authorization": f"Bearer {token}"})
+    assert r.status_code == 201, r.text
+    j = r.json()["id"]
+    assert (root / str(j) / "files" / "model.tar").is_file()
+    got = client.get(f"/api/v1/learnwares/{j}/model")
+    assert got.status_code == 200
+    assert hashlib.sha256(got.content).hexdigest() == got.headers["x-content-sha256"]
+    with Dock.open(tmp_path / "dock") as d:
+        out = d.download(j, "model", tmp_path / "dl")
+        assert content_hash(out) == content_hash(tmp_path / "m")
+        d.remove(i)
+        assert not (root / str(i)).exists() and [e.name for e in d.list()] == ["up"]
+    with pytest.raises(DockError, match="not empty"):
+        Dock.create(tmp_path / "dock2", tensors=str(root))

@@ -36,6 +36,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                       "(postgresql://user@host:port/dbname; password in PGPASSWORD or "
                       "~/.pgpass) instead of <dock>/index.sqlite, so several machines or "
                       "server processes share the dock")
+    init.add_argument("--tensors", default=None, metavar="ROOT",
+                      help="keep the tensor dirs and release archives under ROOT instead of "
+                      "<dock>/tensors: a local or mounted folder, or an object-store path "
+                      "such as gs://bucket/market (with its filesystem package installed)")
     init.add_argument("--subspace", default=None, metavar="KIND:K[:SEED]",
                       help="store a public coordinate subspace U with the dock: every spec then "
                       "releases the coordinates C = B U (r x k per kernel) instead of the whole B "
@@ -260,7 +264,7 @@ def run(ns: argparse.Namespace) -> int:
     if action == "init":
         subspace = None if ns.subspace is None else _subspace(ns)
         dock = Dock.create(ns.dock, exist_ok=ns.exist_ok, subspace=subspace,
-                           database=ns.database)
+                           database=ns.database, tensors=ns.tensors)
         if ns.json:
             print(json.dumps({"dock": str(ns.dock), "learnwares": len(dock),
                               "subspace": None if subspace is None else subspace.hash,

@@ -19,7 +19,7 @@ import os
 import tarfile
 from collections.abc import Iterable
 from pathlib import Path, PurePosixPath
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 __all__ = ["ArchiveError", "extract", "file_sha256", "pack", "release_files"]
 
@@ -71,14 +71,16 @@ def _add(tar: tarfile.TarFile, name: str, data: bytes) -> None:
     tar.addfile(info, io.BytesIO(data))
 
 
-def extract(archive: Path, dest: Path, *, allowed_top: set[str], max_bytes: int) -> None:
-    """Extract ``archive`` into the new directory ``dest`` after checking every member (see the
+def extract(archive: Any, dest: Path, *, allowed_top: set[str], max_bytes: int) -> None:
+    """Extract ``archive`` (a path, or any path object with ``open``, e.g. an
+    ``etils.epath.Path``) into the new directory ``dest`` after checking every member (see the
     module docstring). Raises :class:`ArchiveError` saying what is wrong."""
     dest = Path(dest)
     dest.mkdir()
     total = 0
+    opener = archive.open if hasattr(archive, "open") else Path(archive).open
     try:
-        with tarfile.open(archive, mode="r:") as tar:
+        with opener("rb") as fh, tarfile.open(fileobj=fh, mode="r:") as tar:
             members = []
             for m in tar:
                 if len(members) >= MAX_MEMBERS:

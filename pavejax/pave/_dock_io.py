@@ -14,6 +14,7 @@ import functools
 import hashlib
 import json
 import os
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
+from etils import epath
 
 from pavejax.spec_types import PaveSpec
 
@@ -98,14 +100,23 @@ def _checkpointer() -> ocp.PyTreeCheckpointer:
     return ocp.PyTreeCheckpointer()
 
 
+def is_local(root: Any) -> bool:
+    """True for a local or mounted folder, False for a URL-like path (``gs://...``)."""
+    return re.match(r"^[A-Za-z][A-Za-z0-9+.-]*://", str(root)) is None
+
+
+def _target(path: Any) -> Any:
+    return Path(path).absolute() if is_local(path) else epath.Path(path)
+
+
 def save_tree(path: Path, tree: Any) -> None:
     """Synchronous Orbax save of a pytree of NumPy arrays to the new dir ``path``."""
-    _checkpointer().save(Path(path).absolute(), tree)
+    _checkpointer().save(_target(path), tree)
 
 
 def load_tree(path: Path) -> Any:
     """Orbax restore of :func:`save_tree`'s tree (NumPy leaves)."""
-    return _checkpointer().restore(Path(path).absolute())
+    return _checkpointer().restore(_target(path))
 
 
 def fsync_tree(path: Path, *, recursive: bool = True) -> None:

@@ -11,6 +11,13 @@ Layout of a dock directory::
     tensors/<id>/model  Orbax checkpoint of the model params (optional)
     tensors/<id>/files/ the submitted spec and model releases as archives (optional; what an
                         HTTP dock serves for download, byte for byte)
+
+``tensors/`` may live elsewhere: ``Dock.create(path, tensors="gs://bucket/market")`` (any path
+``etils.epath`` and Orbax open: a local or mounted folder, or an object store with its
+filesystem package installed) records the root in the index, so every process of the dock
+uses it. On an object store a rename is a copy: atomicity still comes from the index commit
+(a row is committed only after its tensors are complete; orphans are collected), and fsync
+applies to local folders only.
     secret/a_key        256-bit random seed of the dock's A key (mode 0600)
     subspace/           the public coordinate subspace U, if the dock has one
                         (:mod:`pavejax.pave.subspace`; its hash is in the index and in every
@@ -37,6 +44,7 @@ sharing the dock directory.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import hmac
@@ -52,6 +60,7 @@ from typing import TYPE_CHECKING, Any
 
 import jax
 import numpy as np
+from etils import epath
 
 from pavejax._releasable import check_record, check_replace_one, check_tensor_names
 from pavejax.pave import _index_db as idb
@@ -62,6 +71,7 @@ from pavejax.pave._dock_io import (
     a_key_from_seed,
     entry_from_row,
     fsync_tree,
+    is_local,
     ledger_summary,
     load_model_tree,
     load_tree,
@@ -99,13 +109,17 @@ class Dock:
         self.path, self._conn = path, conn
         self._cache_generation: str | None = None
         self._table = SpecTable()
+        row = conn.execute("SELECT value FROM meta WHERE key = 'tensors'").fetchone()
+        self.tensors_root = path / "tensors" if row is None else epath.Path(row[0])
+        self._local_tensors = row is None or is_local(row[0])
 
     # ------------------------------------------------------------------ create / open
 
     @classmethod
     def create(cls, path: str | os.PathLike[str], *, signature: SpecSignature | None = None,
                subspace: Subspace | None = None, exist_ok: bool = False,
-               database: str | None = None) -> Dock:
+               database: str | None = None, tensors: str | os.PathLike[str] | None = None
+               ) -> Dock:
         """Create a dock at ``path`` (a new or empty dir); ``signature`` fixes the spec space
         now, otherwise the first submit locks it. ``subspace``: the public coordinate subspace
         ``U`` of the dock's specs (stored with the dock, :attr:`subspace`; every spec must be
@@ -114,7 +128,8 @@ class Dock:
         against it). ``database``: a ``postgresql://user@host:port/dbname`` URL to keep the
         index in that (empty) PostgreSQL database instead of ``index.sqlite``; put the
         password in ``PGPASSWORD`` or ``~/.pgpass``, not in the URL (the URL is stored in
-        ``index.json``)."""
+        ``index.json``). ``tensors``: where the Orbax tensor dirs and release archives go
+        (default ``path/tensors``; see the module docstring)."""
         path = Path(path)
         if signature is not None and not isinstance(signature, SpecSignature):
             raise TypeError(f"signature must be a SpecSignature, got {type(signature).__name__}")
@@ -146,7 +161,14 @@ class Dock:
                 conn.close()
                 raise DockError(f"the database {idb.redact(database)} already holds a dock "
                                 f"index; give each dock its own database (CREATE DATABASE)")
+        if tensors is not None:
+            root = epath.Path(tensors)
+            if root.exists() and any(root.iterdir()):
+                raise DockError(f"the tensor root {tensors} is not empty; give each dock its "
+                                f"own")
         (path / "tensors").mkdir(parents=True, exist_ok=True)
+        if tensors is not None:
+            epath.Path(tensors).mkdir(parents=True, exist_ok=True)
         (path / "secret").mkdir(mode=0o700, exist_ok=True)
         fd = os.open(path / "secret" / "a_key", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "w") as f:
@@ -166,6 +188,9 @@ class Dock:
             if subspace is not None:
                 conn.execute("INSERT INTO meta (key, value) VALUES ('subspace', ?)",
                              (subspace.hash,))
+            if tensors is not None:
+                conn.execute("INSERT INTO meta (key, value) VALUES ('tensors', ?)",
+                             (str(tensors),))
         if database is not None:  # written last: a crash before leaves no half-made dock
             (path / "index.json").write_text(json.dumps(
                 {"database": database, "dock_uid": dock_uid}, indent=1) + "\n")
@@ -266,9 +291,9 @@ class Dock:
     def _collect_garbage(self) -> None:
         with transaction(self._conn):  # write lock: no submit is between insert and commit
             ids = {r[0] for r in self._conn.execute("SELECT id FROM learnwares")}
-            for child in (self.path / "tensors").iterdir():
+            for child in self.tensors_root.iterdir():
                 if not (child.name.isdigit() and int(child.name) in ids):
-                    shutil.rmtree(child, ignore_errors=True) if child.is_dir() else child.unlink()
+                    _rmtree(child) if child.is_dir() else child.unlink()
 
     # ------------------------------------------------------------------ signature and key
 
@@ -401,8 +426,8 @@ class Dock:
                  version, json.dumps(stored_files) if stored_files else None))
             new_id = int(cur.fetchone()[0])
             _HOOKS.get("after_insert", _noop)()
-            tmp = self.path / "tensors" / f".tmp-{uuid.uuid4().hex}"
-            final = self.path / "tensors" / str(new_id)
+            tmp = self.tensors_root / f".tmp-{uuid.uuid4().hex}"
+            final = self.tensors_root / str(new_id)
             try:
                 tmp.mkdir()
                 save_tree(tmp / "spec", {"vector": np.asarray(spec.vector, np.float32)})
@@ -411,17 +436,19 @@ class Dock:
                 if files:
                     (tmp / "files").mkdir()
                     for key, (archive, _) in files.items():
-                        shutil.copyfile(archive, tmp / "files" / f"{key}.tar")
-                fsync_tree(tmp)
+                        epath.Path(archive).copy(tmp / "files" / f"{key}.tar")
+                if self._local_tensors:
+                    fsync_tree(tmp)
                 _HOOKS.get("after_tensors", _noop)()
                 if final.exists():  # an orphan of a killed submit that got the same id
-                    shutil.rmtree(final)
-                os.rename(tmp, final)
-                fsync_tree(self.path / "tensors", recursive=False)
+                    _rmtree(final)
+                tmp.rename(final)
+                if self._local_tensors:
+                    fsync_tree(self.tensors_root, recursive=False)
                 _HOOKS.get("after_rename", _noop)()
             except BaseException:
-                shutil.rmtree(tmp, ignore_errors=True)
-                shutil.rmtree(final, ignore_errors=True)
+                _rmtree(tmp)
+                _rmtree(final)
                 raise
         return new_id
 
@@ -452,7 +479,7 @@ class Dock:
             version = self._bump_generation()
             self._conn.execute("INSERT INTO withdrawn (id, version) VALUES (?, ?)",
                                (entry.id, version))
-        shutil.rmtree(self.path / "tensors" / str(entry.id), ignore_errors=True)
+        _rmtree(self.tensors_root / str(entry.id))
         return entry
 
     # ------------------------------------------------------------------ accounts
@@ -525,8 +552,8 @@ class Dock:
         entry = self._row(id_or_name)
         return dataclasses.replace(entry, spec=self.load_spec(entry.id))
 
-    def _tensor_dir(self, id_: int) -> Path:
-        d = self.path / "tensors" / str(int(id_))
+    def _tensor_dir(self, id_: int) -> Any:
+        d = self.tensors_root / str(int(id_))
         if not d.is_dir():
             raise DockError(f"the tensors of learnware {id_} are missing from {d}; the dock "
                             f"was modified outside pavejax")
@@ -630,8 +657,9 @@ class Dock:
         return int(self._conn.execute(
             "SELECT value FROM meta WHERE key = 'generation'").fetchone()[0])
 
-    def file_path(self, id_or_name: int | str, what: str) -> Path:
-        """The stored release archive (``what``: ``"spec"`` or ``"model"``) of a learnware."""
+    def file_path(self, id_or_name: int | str, what: str) -> Any:
+        """The stored release archive (``what``: ``"spec"`` or ``"model"``) of a learnware (a
+        ``pathlib.Path``, or an ``etils.epath.Path`` for a tensor root elsewhere)."""
         entry = self._row(id_or_name)
         if what not in ("spec", "model"):
             raise ValueError(f"what must be 'spec' or 'model', got {what!r}")
@@ -696,6 +724,15 @@ class Dock:
 
 
 _rank_with_ties = rank_with_ties  # the name the tests and benchmarks import
+
+
+def _rmtree(path: Any) -> None:
+    if isinstance(path, Path):
+        shutil.rmtree(path, ignore_errors=True)
+        return
+    with contextlib.suppress(FileNotFoundError, OSError):
+        if path.exists():
+            path.rmtree()
 
 
 def _token_hash(token: str) -> str:

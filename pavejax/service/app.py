@@ -49,13 +49,19 @@ import numpy as np
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import FileResponse, HTMLResponse, JSONResponse, Response
+from starlette.responses import (
+    FileResponse,
+    HTMLResponse,
+    JSONResponse,
+    Response,
+    StreamingResponse,
+)
 from starlette.routing import Route
 
 import pavejax
 from pavejax._releasable import check_record
 from pavejax.pave import _archive
-from pavejax.pave._dock_io import DockEntry
+from pavejax.pave._dock_io import DockEntry, is_local
 from pavejax.pave.dock import Dock, DockError
 from pavejax.release import (
     ReleaseError,
@@ -408,14 +414,22 @@ def create_app(dock_path: str | os.PathLike[str], *, max_upload_bytes: int = DEF
         f = entry["files"].get(what)
         if f is None:
             raise HTTPProblem(404, f"learnware {entry['name']!r} has no {what} release")
-        path = svc.path / "tensors" / str(i) / "files" / f"{what}.tar"
-        if not path.is_file():
+        path = svc.dock.tensors_root / str(i) / "files" / f"{what}.tar"
+        if not await run_in_threadpool(path.is_file):
             raise HTTPProblem(404, f"learnware {i} was just withdrawn")
-        return FileResponse(path, media_type="application/x-tar",
-                            filename=f"{entry['name']}-{what}.tar",
-                            headers={"X-Content-SHA256": f["sha256"],
-                                     "X-Release-Content-Hash": f["content_hash"],
-                                     "ETag": f'"{f["sha256"]}"'})
+        headers = {"X-Content-SHA256": f["sha256"], "X-Release-Content-Hash": f["content_hash"],
+                   "ETag": f'"{f["sha256"]}"'}
+        if is_local(path):
+            return FileResponse(os.fspath(path), media_type="application/x-tar",
+                                filename=f"{entry['name']}-{what}.tar", headers=headers)
+
+        def chunks():  # a tensor root on an object store: stream through epath
+            with path.open("rb") as fh:
+                while chunk := fh.read(1 << 20):
+                    yield chunk
+
+        return StreamingResponse(chunks(), media_type="application/x-tar",
+                                 headers=headers | {"Content-Length": str(f["size"])})
 
     async def snapshot(request: Request) -> Response:
         raw = request.query_params.get("since")
