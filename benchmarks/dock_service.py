@@ -24,14 +24,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import os
-import socket
-import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +36,7 @@ import numpy as np
 from pavejax.accounting import Ledger
 from pavejax.accounting.events import gaussian_step_event
 from pavejax.pave.dock import Dock
-from pavejax.service.loadtest import run_load
+from pavejax.service.loadtest import local_server, run_load
 from pavejax.spec_types import PaveSpec, SpecSignature
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -96,45 +91,9 @@ def make_specs(info: dict[str, Any]):
     return make_spec, make_query
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@contextlib.contextmanager
-def dock_server(dock: Path, log: Path, timeout: float = 120.0) -> Iterator[str]:
-    """``python -m pavejax dock serve DOCK`` on a free loopback port (on the CPU); yields its
-    URL once ``/healthz`` answers; stops it on exit."""
-    port = _free_port()
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
-    url = f"http://127.0.0.1:{port}"
-    with open(log, "w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "pavejax", "dock", "serve", str(dock),
-                                 "--host", "127.0.0.1", "--port", str(port)],
-                                env=env, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.time() + timeout
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"the dock server exited with {proc.returncode}:\n"
-                                   f"{log.read_text()[-2000:]}")
-            try:
-                with urllib.request.urlopen(url + "/healthz", timeout=2):
-                    break
-            except OSError:
-                if time.time() > deadline:
-                    raise TimeoutError(f"the dock server at {url} did not answer in "
-                                       f"{timeout} s") from None
-                time.sleep(0.2)
-        yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+def dock_server(dock: Path, log: Path):
+    """``python -m pavejax dock serve DOCK`` on a free loopback port; yields ``(url, proc)``."""
+    return local_server(dock, log=log, env={"PYTHONPATH": str(ROOT)})
 
 
 def run_backend(s: Settings, workdir: Path, info: dict[str, Any], *,
@@ -151,7 +110,7 @@ def run_backend(s: Settings, workdir: Path, info: dict[str, Any], *,
             dock.submit(make_spec(100_000 + i), name=f"seed-{i:04d}")
     seed_s = time.perf_counter() - t0
     with contextlib.ExitStack() as stack:
-        urls = [stack.enter_context(dock_server(path, workdir / f"{backend}-{i}.log"))
+        urls = [stack.enter_context(dock_server(path, workdir / f"{backend}-{i}.log"))[0]
                 for i in range(servers)]
         r = run_load(urls, tokens, clients=s.clients, searches=s.searches, submits=s.submits,
                      make_spec=make_spec, make_query=make_query, seed=0)

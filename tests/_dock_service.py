@@ -9,8 +9,6 @@ import json
 import os
 import socket
 import subprocess
-import sys
-import tempfile
 import threading
 import time
 import urllib.request
@@ -21,6 +19,7 @@ import numpy as np
 from pavejax.accounting import Ledger
 from pavejax.accounting.events import gaussian_step_event
 from pavejax.release import ReleaseMetadata, save_release, save_spec
+from pavejax.service.loadtest import local_server
 from pavejax.spec_types import PaveSpec, SpecSignature
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -88,8 +87,7 @@ def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 90.0) -> None:
     deadline = time.time() + timeout
     while time.time() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"the dock server exited with {proc.returncode}:\n"
-                               f"{proc.stderr.read() if proc.stderr else ''}")
+            raise RuntimeError(f"the dock server exited with {proc.returncode}")
         try:
             with urllib.request.urlopen(url + "/healthz", timeout=2):
                 return
@@ -103,31 +101,9 @@ def cli_env(**extra: str) -> dict[str, str]:
             "XLA_FLAGS": "", **extra}
 
 
-@contextlib.contextmanager
 def serve(dock: Path, *args: str, port: int | None = None):
     """Run ``pavejax dock serve DOCK`` in a subprocess; yields ``(url, process)``."""
-    port = port or free_port()
-    log = tempfile.TemporaryFile("w+")  # a file, not a pipe: a chatty server never stalls
-    proc = subprocess.Popen([sys.executable, "-m", "pavejax", "dock", "serve", str(dock),
-                             "--host", "127.0.0.1", "--port", str(port), *args],
-                            env=cli_env(), cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                            text=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        try:
-            wait_ready(url, proc)
-        except (RuntimeError, TimeoutError) as e:
-            log.seek(0)
-            raise RuntimeError(f"{e}\nserver output:\n{log.read()[-4000:]}") from None
-        yield url, proc
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        log.close()
+    return local_server(dock, *args, port=port, env={"PYTHONPATH": str(ROOT)})
 
 
 class RecordingProxy:

@@ -5,6 +5,7 @@ backends (SQLite, PostgreSQL) hold the same schema and migrate old docks."""
 from __future__ import annotations
 
 import base64
+import dataclasses
 import contextlib
 import hashlib
 import io
@@ -252,6 +253,28 @@ def test_token_cli_and_accounts(tmp_path, capsys):
         assert d.account_for_token(token) is None and d.accounts() == []
     rc, _, err = cli("dock", "token", "http://127.0.0.1:9", "--account", "x")
     assert rc != 0
+
+
+def test_client_checks_token_and_size_before_uploading(tmp_path):
+    with Dock.create(tmp_path / "dock") as d:
+        token = d.add_account("alice")
+    with serve(tmp_path / "dock", "--max-upload-mb", "0.01") as (url, _):
+        assert Dock.remote(url, token).account() == "alice"
+        calls = []
+        wrong = Dock.remote(url, "pvj_wrong")
+        real_open = wrong._open
+        wrong._open = lambda method, path, **kw: calls.append(method) or real_open(method, path,
+                                                                                  **kw)
+        with pytest.raises(RemoteDockError, match="not valid for this dock") as e:
+            wrong.submit(dp_spec(0), name="x")
+        assert e.value.status == 401 and "POST" not in calls
+        big = dp_spec(0, sig=dataclasses.replace(SIG, layer_sizes=(4000, 4000)))
+        with pytest.raises(RemoteDockError, match="over the dock's upload limit") as e:
+            Dock.remote(url, token).submit(big, name="big")
+        assert e.value.status == 413
+        assert Dock.remote(url).info()["max_upload_bytes"] == int(0.01 * (1 << 20))
+    with Dock.open(tmp_path / "dock") as d:
+        assert len(d) == 0
 
 
 def test_remote_refusals_before_any_request():

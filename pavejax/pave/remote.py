@@ -114,6 +114,10 @@ class RemoteDock:
                 message = e.reason
             raise RemoteDockError(f"{method} {self.url}{path}: HTTP {e.code}: {message}",
                                   e.code) from None
+        except (BrokenPipeError, ConnectionResetError) as e:
+            raise RemoteDockError(f"the dock at {self.url} closed the connection during "
+                                  f"{method} {path} ({e}); a server refuses an upload before "
+                                  f"reading it when the token or the size is wrong") from None
         except (urllib.error.URLError, OSError) as e:
             reason = getattr(e, "reason", e)
             raise RemoteDockError(f"cannot reach the dock at {self.url}: {reason}") from None
@@ -326,10 +330,20 @@ class RemoteDock:
             with open(bundle, "wb") as f:
                 _archive.pack(f, dirs, [("submission.json", body_json)])
             size = bundle.stat().st_size
+            # refused before the upload rather than mid-way: the token, then the size
+            self.account()
+            limit = self.info().get("max_upload_bytes")
+            if isinstance(limit, int) and size > limit:
+                raise RemoteDockError(f"the submission is {size} bytes, over the dock's upload "
+                                      f"limit of {limit} bytes", 413)
             with open(bundle, "rb") as f:
                 out = self._json("POST", f"{API}/learnwares", data=f, auth=True, headers={
                     "Content-Type": "application/x-tar", "Content-Length": str(size)})
         return int(out["id"])
+
+    def account(self) -> str:
+        """The account this client's token belongs to (raises if the token is not valid)."""
+        return str(self._json("GET", f"{API}/account", auth=True)["account"])
 
     def remove(self, id_or_name: int | str) -> DockEntry:
         """Withdraw a learnware this token's account submitted; returns its entry."""

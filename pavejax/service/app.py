@@ -5,7 +5,9 @@ do>"}`` with a 4xx status, and leave the dock unchanged):
 
 * ``GET /`` and ``GET /learnwares/{id}``: the read-only HTML pages (:mod:`.page`).
 * ``GET /api/v1/dock``: the dock's public record (signature, the published A-key seed, size,
-  version).
+  version, upload limit).
+* ``GET /api/v1/account`` (token): the account the token belongs to (a client checks its token
+  and the upload size before uploading).
 * ``GET /api/v1/learnwares`` and ``/api/v1/learnwares/{id}``: metadata (classes, backbone,
   guarantee, ε/δ, ledger summary, risk bounds, submitter, file hashes).
 * ``GET /api/v1/learnwares/{id}/spec`` and ``.../model``: the release archive, streamed, with
@@ -163,6 +165,7 @@ class DockService:
                 "signature": None if sig is None else sig.to_dict(),
                 "a_key": self.dock.a_key_seed(), "certified_dp_only": True,
                 "subspace": self.dock._subspace_hash(), "backend": self.dock.backend,
+                "max_upload_bytes": self.max_upload,
                 "library_version": pavejax.__version__}
 
     def entries(self) -> list[dict[str, Any]]:
@@ -476,6 +479,9 @@ def create_app(dock_path: str | os.PathLike[str], *, max_upload_bytes: int = DEF
         account = await run_in_threadpool(svc.account, request)
         return JSONResponse(await run_in_threadpool(svc.withdraw, i, account))
 
+    async def whoami(request: Request) -> Response:
+        return JSONResponse({"account": await run_in_threadpool(svc.account, request)})
+
     async def health(request: Request) -> Response:
         return JSONResponse({"ok": True})
 
@@ -484,6 +490,7 @@ def create_app(dock_path: str | os.PathLike[str], *, max_upload_bytes: int = DEF
         Route("/learnwares/{id}", guarded(detail, True)),
         Route("/healthz", health),
         Route(f"{API}/dock", guarded(dock_info)),
+        Route(f"{API}/account", guarded(whoami)),
         Route(f"{API}/learnwares", guarded(learnwares), methods=["GET"]),
         Route(f"{API}/learnwares", guarded(submit), methods=["POST"]),
         Route(f"{API}/learnwares/{{id}}", guarded(learnware), methods=["GET"]),

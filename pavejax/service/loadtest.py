@@ -17,12 +17,19 @@ What :func:`run_load` measures:
 
 from __future__ import annotations
 
+import contextlib
+import os
 import queue
 import random
+import socket
+import subprocess
+import sys
+import tempfile
 import threading
 import time
+import urllib.request
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -30,7 +37,7 @@ import numpy as np
 from pavejax.pave.remote import RemoteDock
 from pavejax.spec_types import PaveSpec
 
-__all__ = ["run_load"]
+__all__ = ["local_server", "run_load"]
 
 _MESSAGES = 5
 
@@ -153,3 +160,51 @@ def run_load(urls: Sequence[str], tokens: Sequence[str], *, clients: int = 8,
             "searches_done": len(lat["search"]), "submits_done": len(lat["submit"]),
             "submitted": dict(sorted(submitted.items())), "clients": clients,
             "searches": searches, "submits": submits, "servers": len(urls)}
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@contextlib.contextmanager
+def local_server(dock: str | os.PathLike[str], *args: str, port: int | None = None,
+                 log: str | os.PathLike[str] | None = None, env: dict[str, str] | None = None,
+                 timeout: float = 120.0) -> Iterator[tuple[str, subprocess.Popen]]:
+    """Run ``python -m pavejax dock serve DOCK`` on a loopback port (a free one by default) in
+    a subprocess, on the CPU; yields ``(url, process)`` once ``/healthz`` answers and stops it
+    on exit. Its output goes to ``log`` (a file; a temporary one by default, whose tail is
+    raised with a start failure). ``args``: more ``serve`` flags."""
+    port = port or _free_port()
+    url = f"http://127.0.0.1:{port}"
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "", **(env or {})}
+    out = open(log, "w+") if log is not None else tempfile.TemporaryFile("w+")  # noqa: SIM115
+    proc = subprocess.Popen([sys.executable, "-m", "pavejax", "dock", "serve", str(dock),
+                             "--host", "127.0.0.1", "--port", str(port), *args],
+                            env=env, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.time() + timeout
+        while True:
+            failure = None
+            if proc.poll() is not None:
+                failure = f"the dock server exited with {proc.returncode}"
+            elif time.time() > deadline:
+                failure = f"the dock server at {url} did not answer in {timeout} s"
+            if failure:
+                out.seek(0)
+                raise RuntimeError(f"{failure}; its output:\n{out.read()[-4000:]}")
+            try:
+                with urllib.request.urlopen(url + "/healthz", timeout=2):
+                    break
+            except OSError:
+                time.sleep(0.2)
+        yield url, proc
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        out.close()
