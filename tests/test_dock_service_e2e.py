@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import urllib.request
 
 import pytest
 
@@ -49,6 +50,13 @@ def test_shared_dock_end_to_end_on_loopback(tmp_path):
             assert rc != 0 and "not valid for this dock" in err
             listed = ok_json("dock", "list", url)
             assert [e["name"] for e in listed] == list(names.values())
+            with urllib.request.urlopen(url + "/api/v1/learnwares") as resp:
+                public = json.loads(resp.read())["learnwares"]
+            for e in public:  # what the page and the API publish per learnware
+                g = e["guarantee"]
+                assert g["kind"] == "dp" and 0 < g["epsilon"] <= 4.0 + 1e-6
+                assert e["risk"] and e["ledger_summary"] and e["model_guarantee"]["kind"] == "dp"
+                assert e["submitter"] in tokens and e["classes"] == ["negative", "positive"]
 
             # the user: a non-private spec of their shots, in this process, never sent
             user = tmp_path / "user-spec"

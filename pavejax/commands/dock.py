@@ -163,6 +163,10 @@ def _serve(ns: argparse.Namespace) -> int:
     print(f"serving the dock {ns.dock} ({len(svc.dock)} learnwares, {svc.dock.backend} index) "
           f"at http://{ns.host}:{ns.port}/ : certified DP specs only, A key public, searches "
           f"run on the clients", flush=True)
+    if ns.host not in ("127.0.0.1", "localhost", "::1"):
+        print("note: plain HTTP; beyond a trusted network put the service behind TLS (a "
+              "reverse proxy), or tokens and downloads can be read and altered in transit",
+              file=sys.stderr, flush=True)
     uvicorn.run(app, host=ns.host, port=ns.port, log_level="warning", access_log=False)
     return 0
 
@@ -195,6 +199,9 @@ def _local_submit(dock, ns: argparse.Namespace, meta: dict):
     from pavejax.release import content_hash, load_release, load_spec
 
     spec = load_spec(ns.spec)
+    risk = load_release(ns.spec)[1].risk
+    if risk:  # the release's risk bounds travel with the learnware, as over HTTP
+        meta.setdefault("spec_risk", risk)
     model = None
     with tempfile.TemporaryDirectory(prefix="pavejax-submit-") as tmp:
         files = {}

@@ -246,6 +246,8 @@ class DockService:
         if not (root / "spec").is_dir():
             raise HTTPProblem(400, "the upload has no spec/ release directory")
         spec, spec_meta = self._vet_spec(root / "spec")
+        if spec_meta.risk:  # the release's risk bounds (disclosure, amplification) are listed
+            metadata["spec_risk"] = spec_meta.risk
         files = {"spec": self._repack(root / "spec", work / "spec.tar")}
         model = None
         if (root / "model").is_dir():
@@ -258,7 +260,6 @@ class DockService:
             check_record(metadata, "metadata")
         except ValueError as e:
             raise HTTPProblem(422, str(e)) from None
-        del spec_meta
         with self.lock:
             try:
                 new_id = self.dock.submit(spec, name=name, model=model, metadata=metadata,
@@ -356,7 +357,8 @@ def public_entry(e: DockEntry) -> dict[str, Any]:
             "backbone_id": e.backbone_id, "backbone_hash": e.backbone_hash, "rank": e.rank,
             "layers": list(e.layers), "a_hash": e.a_hash, "mechanism": info.get("mechanism"),
             "guarantee": info.get("guarantee"), "ledger_summary": e.ledger_summary,
-            "risk": info.get("risk") or {}, "has_model": e.has_model,
+            "risk": info.get("risk") or e.metadata.get("spec_risk") or {},
+            "has_model": e.has_model,
             "model_guarantee": None if not isinstance(model_release, dict)
             else model_release.get("guarantee"),
             "files": dict(e.files), "metadata": dict(e.metadata), "spec_info": info}
