@@ -22,7 +22,8 @@ from pavejax.commands import _shared as sh
 _PRIVACY_NOTE = (
     "The dock keeps the secret key of A in <dock>/secret (mode 0600): lend it only to the "
     "developers and users of this dock. Specs are compared only within one dock (same backbone, "
-    "layers, rank and A).")
+    "layers, rank and A). 'dock serve' publishes the key and serves only specs with a certified "
+    "DP guarantee; searches over HTTP run on the user's machine.")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
