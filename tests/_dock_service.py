@@ -8,10 +8,7 @@ import contextlib
 import json
 import os
 import socket
-import subprocess
 import threading
-import time
-import urllib.request
 from pathlib import Path
 
 import numpy as np
@@ -19,7 +16,7 @@ import numpy as np
 from pavejax.accounting import Ledger
 from pavejax.accounting.events import gaussian_step_event
 from pavejax.release import ReleaseMetadata, save_release, save_spec
-from pavejax.service.loadtest import local_server
+from pavejax.service.loadtest import free_port, local_server, wait_ready  # noqa: F401
 from pavejax.spec_types import PaveSpec, SpecSignature
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -75,25 +72,6 @@ def model_release(path: Path, seed: int, *, backbone_hash: str = BACKBONE,
                            extra={"classes": list(classes)})
     save_release(path, tensors, meta)
     return path
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 90.0) -> None:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the dock server exited with {proc.returncode}")
-        try:
-            with urllib.request.urlopen(url + "/healthz", timeout=2):
-                return
-        except OSError:
-            time.sleep(0.2)
-    raise TimeoutError(f"the dock server at {url} did not answer in {timeout} s")
 
 
 def cli_env(**extra: str) -> dict[str, str]:

@@ -21,12 +21,12 @@ import os
 import pwd
 import re
 import shutil
-import socket
 import subprocess
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
+from pavejax.service.loadtest import free_port
 from tests._services import require_or_skip
 
 __all__ = ["PostgresServer", "postgres_available", "postgres_server", "require_or_skip"]
@@ -74,12 +74,6 @@ def postgres_available() -> str | None:
     except ImportError as err:
         return f"psycopg (PostgreSQL client for Python) cannot be imported: {err}"
     return None
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _tail(path: Path, lines: int = 40) -> str:
@@ -155,7 +149,7 @@ def postgres_server() -> Iterator[PostgresServer]:
                                f"{init.stdout[-2000:]}\n{init.stderr[-2000:]}")
         for _ in range(_PORT_TRIES):
             logfile.unlink(missing_ok=True)  # judge each try by its own log
-            port = _free_port()
+            port = free_port()
             options = (f"-c listen_addresses=127.0.0.1 -p {port} "
                        f"-c unix_socket_directories={tmp} -c fsync=off -c max_connections=200")
             start = runner.run("pg_ctl", "-D", str(datadir), "-l", str(logfile), "-w",

@@ -5,8 +5,8 @@ backends (SQLite, PostgreSQL) hold the same schema and migrate old docks."""
 from __future__ import annotations
 
 import base64
-import dataclasses
 import contextlib
+import dataclasses
 import hashlib
 import io
 import json

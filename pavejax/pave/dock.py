@@ -53,6 +53,7 @@ import os
 import secrets
 import shutil
 import time
+import urllib.parse
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -153,7 +154,7 @@ class Dock:
             raise DockError(f"{path} exists and is not an empty directory nor a dock; choose a "
                             f"new path")
         if database is not None:
-            if ":" in database.split("://", 1)[1].split("@", 1)[0] and "@" in database:
+            if urllib.parse.urlsplit(database).password is not None:
                 raise ValueError("put the database password in PGPASSWORD or ~/.pgpass, not in "
                                  "the URL: the URL is stored in the dock's index.json")
             conn = idb.PostgresConnection(database)

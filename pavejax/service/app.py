@@ -43,6 +43,7 @@ import tempfile
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -73,7 +74,7 @@ from pavejax.release import (
     load_release,
 )
 from pavejax.service import page
-from pavejax.spec_types import PaveSpec, SpecMismatchError
+from pavejax.spec_types import PaveSpec, SpecMismatchError, SpecSignature
 
 __all__ = ["DockService", "create_app"]
 
@@ -91,9 +92,9 @@ class HTTPProblem(Exception):
         self.status, self.message = status, message
 
 
-def uncertified(entry: DockEntry) -> str | None:
-    """Why a stored learnware cannot be served over HTTP (None if it can)."""
-    g = entry.spec_info.get("guarantee") or {}
+def uncertified(spec_info: Mapping[str, Any]) -> str | None:
+    """Why a spec (its record) cannot be served over HTTP (None if it can)."""
+    g = spec_info.get("guarantee") or {}
     if g.get("kind") != "dp":
         return (f"its spec's guarantee is {g.get('kind', 'none')!r}, not certified DP "
                 f"(kind 'dp')")
@@ -101,7 +102,7 @@ def uncertified(entry: DockEntry) -> str | None:
     if not (isinstance(eps, int | float) and math.isfinite(eps) and
             isinstance(delta, int | float) and 0 <= delta < 1):
         return "its DP guarantee has no finite epsilon and delta"
-    if entry.spec_info.get("ledger") is None:
+    if spec_info.get("ledger") is None:
         return "its DP guarantee comes without a ledger"
     return None
 
@@ -114,7 +115,7 @@ class DockService:
                  max_upload_bytes: int = DEFAULT_MAX_UPLOAD, title: str | None = None) -> None:
         self.path = Path(dock_path)
         self.dock = Dock.open(self.path)
-        bad = [(e.name, why) for e in self.dock.list() if (why := uncertified(e))]
+        bad = [(e.name, why) for e in self.dock.list() if (why := uncertified(e.spec_info))]
         if bad:
             self.dock.close()
             listed = "; ".join(f"{n!r}: {w}" for n, w in bad[:5])
@@ -294,8 +295,6 @@ class DockService:
                                    f"(pavejax spec --out / pavejax.release.save_spec)")
         try:
             check_publishable(tensors, meta)
-            from pavejax.spec_types import SpecSignature
-
             spec = PaveSpec(np.asarray(tensors["vector"], np.float32),
                             SpecSignature.from_dict(sig), meta.extra.get("spec_kind", "model"),
                             meta.extra.get("info", {}))
@@ -316,8 +315,7 @@ class DockService:
         if spec.info.get("guarantee") != g or spec.info.get("ledger") != meta.ledger:
             raise HTTPProblem(422, "the spec's recorded guarantee or ledger differs from its "
                                    "release's; regenerate the release with save_spec")
-        entry = DockEntry(0, "", {}, "", "", 1, (), "", spec.info, None, False, 0.0)
-        why = uncertified(entry)
+        why = uncertified(spec.info)
         if why:
             raise HTTPProblem(422, f"the spec is refused: {why}")
         return spec, meta

@@ -37,7 +37,7 @@ import numpy as np
 from pavejax.pave.remote import RemoteDock
 from pavejax.spec_types import PaveSpec
 
-__all__ = ["local_server", "run_load"]
+__all__ = ["free_port", "local_server", "run_load", "wait_ready"]
 
 _MESSAGES = 5
 
@@ -162,10 +162,28 @@ def run_load(urls: Sequence[str], tokens: Sequence[str], *, clients: int = 8,
             "searches": searches, "submits": submits, "servers": len(urls)}
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port free on the loopback interface now."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 120.0) -> None:
+    """Wait until the dock server ``proc`` answers ``url/healthz``; ``RuntimeError`` if it
+    exits, ``TimeoutError`` after ``timeout`` seconds."""
+    deadline = time.time() + timeout
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the dock server exited with {proc.returncode}")
+        try:
+            with urllib.request.urlopen(url + "/healthz", timeout=2):
+                return
+        except OSError:
+            if time.time() > deadline:
+                raise TimeoutError(f"the dock server at {url} did not answer in {timeout} s") \
+                    from None
+            time.sleep(0.2)
 
 
 @contextlib.contextmanager
@@ -176,7 +194,7 @@ def local_server(dock: str | os.PathLike[str], *args: str, port: int | None = No
     a subprocess, on the CPU; yields ``(url, process)`` once ``/healthz`` answers and stops it
     on exit. Its output goes to ``log`` (a file; a temporary one by default, whose tail is
     raised with a start failure). ``args``: more ``serve`` flags."""
-    port = port or _free_port()
+    port = port or free_port()
     url = f"http://127.0.0.1:{port}"
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "", **(env or {})}
     out = open(log, "w+") if log is not None else tempfile.TemporaryFile("w+")  # noqa: SIM115
@@ -184,21 +202,11 @@ def local_server(dock: str | os.PathLike[str], *args: str, port: int | None = No
                              "--host", "127.0.0.1", "--port", str(port), *args],
                             env=env, stdout=out, stderr=subprocess.STDOUT)
     try:
-        deadline = time.time() + timeout
-        while True:
-            failure = None
-            if proc.poll() is not None:
-                failure = f"the dock server exited with {proc.returncode}"
-            elif time.time() > deadline:
-                failure = f"the dock server at {url} did not answer in {timeout} s"
-            if failure:
-                out.seek(0)
-                raise RuntimeError(f"{failure}; its output:\n{out.read()[-4000:]}")
-            try:
-                with urllib.request.urlopen(url + "/healthz", timeout=2):
-                    break
-            except OSError:
-                time.sleep(0.2)
+        try:
+            wait_ready(url, proc, timeout)
+        except (RuntimeError, TimeoutError) as e:
+            out.seek(0)
+            raise RuntimeError(f"{e}; its output:\n{out.read()[-4000:]}") from None
         yield url, proc
     finally:
         proc.terminate()
